@@ -1,0 +1,36 @@
+"""Run train.py / scripts as a user would, in a subprocess, from the repo root."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    if nproc == 1:
+        cmd = [sys.executable, "train.py", *args]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", "train.py", *args,
+        ]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,110 @@
+import pytest
+
+from tests.helpers import run_train
+from trainer.config import Config, build_config, check_layout, help_text, load_toml, to_toml
+from trainer.errors import UserError
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_precedence_cli_over_toml_over_default(tmp_path):
+    path = _write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.5\n")
+    cfg = build_config(["--config", path, "--training.steps", "9", "--float8.filter_fqns", "output,wq"])
+    assert cfg.training.steps == 9  # CLI beats TOML
+    assert cfg.training.seq_len == 64  # TOML beats default
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.training.batch_size == Config().training.batch_size  # default
+    assert cfg.float8.filter_fqns == ["output", "wq"]
+
+
+def test_cli_value_types(tmp_path):
+    path = _write(tmp_path, "")
+    cfg = build_config([
+        "--config", path, "--job.dry_run", "--float8.enabled=true", "--optimizer.betas", "[0.8, 0.9]",
+        "--optimizer.eps", "1e-6", "--profiling.steps", "2,4", "--job.description", "hello world",
+    ])
+    assert cfg.job.dry_run is True and cfg.float8.enabled is True
+    assert cfg.optimizer.betas == [0.8, 0.9] and cfg.optimizer.eps == 1e-6
+    assert cfg.profiling.steps == [2, 4] and cfg.job.description == "hello world"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = build_config(["--config", _write(tmp_path, ""), "--model.flavor", "7B", "--float8.enabled", "true"])
+    path = _write(tmp_path, to_toml(cfg))
+    again = build_config(["--config", path])
+    assert again == cfg
+    assert load_toml(path)["model"]["flavor"] == "7B"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--float8.scaling", "rowise"], "float8.scaling = 'rowise' is not one of tensorwise, rowwise, rowwise_gw_hp (did you mean 'rowwise'?)"),
+        (["--compile.mode", "fast"], "compile.mode = 'fast' is not one of none, block, model"),
+        (["--training.bach_size", "3"], "unknown config key training.bach_size (did you mean 'batch_size'?)"),
+        (["--trainng.steps", "3"], "unknown config section [trainng] (did you mean 'training'?)"),
+        (["--training.steps", "0"], "training.steps must be positive, got 0"),
+        (["--training.batch_size", "-2"], "training.batch_size must be positive, got -2"),
+        (["--training.steps", "ten"], "--training.steps must be an integer, got 'ten'"),
+        (["--float8.enabled", "maybe"], "--float8.enabled must be true or false, got 'maybe'"),
+        (["--config", "missing.toml"], "config file not found: missing.toml"),
+        (["--parallelism.tensor_parallel_degree", "3", "--job.dry_run"], "tensor_parallel_degree = 3 must divide the number of heads (8)"),
+        (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree must be -1 or positive"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, message):
+    result = run_train(args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_malformed_toml_names_file_and_line(tmp_path):
+    path = _write(tmp_path, "[job]\ndump_folder = 'x'\nsteps = = 3\n")
+    result = run_train(["--config", path])
+    assert result.returncode == 2
+    assert path in result.stderr and "line 3" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_toml_type_errors_name_key(tmp_path):
+    with pytest.raises(UserError, match=r"training.batch_size in .* must be an integer"):
+        build_config(["--config", _write(tmp_path, "[training]\nbatch_size = '8'\n")])
+    with pytest.raises(UserError, match=r"'training' must be a \[section\] table"):
+        build_config(["--config", _write(tmp_path, "training = 3\n")])
+
+
+def test_layout_checks():
+    cfg = Config()
+    assert check_layout(cfg, 4, 8, 4) == (4, 1)
+    cfg.parallelism.tensor_parallel_degree = 2
+    assert check_layout(cfg, 4, 8, 4) == (2, 2)
+    cfg.parallelism.data_parallel_shard_degree = 3
+    with pytest.raises(UserError, match="does not match the world size 4"):
+        check_layout(cfg, 4, 8, 4)
+    cfg.parallelism.data_parallel_shard_degree = -1
+    cfg.parallelism.tensor_parallel_degree = 4
+    with pytest.raises(UserError, match="must divide the number of heads"):
+        check_layout(cfg, 4, 8, 2)
+
+
+def test_help_lists_every_option():
+    text = help_text()
+    cfg = Config().to_dict()
+    for section, values in cfg.items():
+        for key in values:
+            assert f"--{section}.{key}" in text
+    result = run_train(["--help"])
+    assert result.returncode == 0 and "--float8.scaling" in result.stdout
+
+
+def test_dry_run_7b_plan():
+    result = run_train(["--config", "configs/7b_bf16.toml", "--job.dry_run", "true"])
+    assert result.returncode == 0, result.stderr
+    assert "6,738,415,616" in result.stdout
+    assert "46,086,512,640" in result.stdout  # 6N + 12 L d S at seq 4096

@@ -1,0 +1,37 @@
+"""Entry point: `python train.py [--config configs/debug.toml] [--section.key value ...]`.
+
+Launch on several GPUs with `torchrun --nproc_per_node=N train.py --config ...`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from trainer.errors import UserError
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.config import build_config
+
+    try:
+        cfg = build_config(argv)
+        if cfg.job.dry_run:
+            from trainer.plan import print_plan
+
+            print_plan(cfg)
+            return 0
+        from trainer.trainer import Trainer
+
+        trainer = Trainer(cfg)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Startup advice: settings that will be slow or pointless, each naming the setting and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.config import Config
+from trainer.errors import UserError
+
+# Below this many tokens per GPU per micro-batch the float8 GEMMs are too small to beat bf16.
+MIN_FLOAT8_TOKENS = 8192
+
+
+def float8_gemm_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+def advise(cfg: Config, device: torch.device, float8_report: Any = None, tp_degree: int = 1) -> list[str]:
+    """Warnings for this config on this device; raises UserError for settings that cannot run."""
+    notes: list[str] = []
+    f8 = cfg.float8
+    if not f8.enabled:
+        return notes
+    if device.type == "cuda" and not f8.emulate and not float8_gemm_supported(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UserError(
+            f"float8.enabled needs float8 GEMMs (compute capability >= 8.9: H100/H200/L40/RTX 4090); "
+            f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Set float8.emulate = true to test, "
+            "or float8.enabled = false"
+        )
+    if f8.emulate:
+        notes.append("float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only")
+    if cfg.compile.mode == "none":
+        notes.append(
+            "float8.enabled with compile.mode = 'none': the amax/scale/cast passes run unfused, expect about "
+            "0.5x bf16 throughput on large models; set compile.mode = 'block'"
+        )
+    tokens = cfg.training.batch_size * cfg.training.seq_len // max(tp_degree, 1)
+    if device.type == "cuda" and tokens < MIN_FLOAT8_TOKENS:
+        notes.append(
+            f"float8 with training.batch_size x training.seq_len = {tokens} tokens per GPU per micro-batch: "
+            f"GEMMs this small gain little from float8; use >= {MIN_FLOAT8_TOKENS} tokens or float8.enabled = false"
+        )
+    if f8.fsdp_float8_all_gather and f8.scaling != "tensorwise":
+        notes.append(
+            f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{f8.scaling}' (weights are "
+            "all-gathered in bf16); use scaling = 'tensorwise' or set it false"
+        )
+    if (f8.scaling == "tensorwise" and not f8.fsdp_float8_all_gather
+            and cfg.parallelism.data_parallel_shard_degree != 1):
+        notes.append(
+            "float8 tensorwise without float8.fsdp_float8_all_gather: FSDP all-gathers bf16 weights; set "
+            "float8.fsdp_float8_all_gather = true to halve that traffic"
+        )
+    skipped = getattr(float8_report, "skipped", None) or []
+    not_filtered = [(fqn, why) for fqn, why in skipped if not any(s in fqn for s in f8.filter_fqns)]
+    if not_filtered:
+        names = ", ".join(f"{fqn} ({why})" for fqn, why in not_filtered[:4])
+        more = f" and {len(not_filtered) - 4} more" if len(not_filtered) > 4 else ""
+        notes.append(f"{len(not_filtered)} linear layers stay in high precision: {names}{more}")
+    return notes

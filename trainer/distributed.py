@@ -1,0 +1,72 @@
+"""Process groups and device meshes.
+
+A single process without torchrun goes through the same path as a sharded run: it
+initialises a one-rank process group so FSDP2 (and its mixed precision) applies
+identically, which keeps 1-process and N-process numerics comparable.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device_type(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
+    """Join torchrun's process group, or create a one-rank group when run directly."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if device_type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def build_mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

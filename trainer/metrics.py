@@ -1,0 +1,166 @@
+"""Throughput, MFU and memory metrics: console, metrics.jsonl and TensorBoard.
+
+FLOPs per token = 6 * (non-embedding params) + 12 * n_layers * dim * seq_len; MFU is
+measured against the bf16 dense peak of the detected GPU (named in the startup log),
+so float8 runs can exceed what the bf16 peak suggests: that is the point of float8.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 peak per GPU (no sparsity), in FLOP/s.
+_BF16_PEAK = (("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12))
+
+METRIC_KEYS = (
+    "step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "step_time_s", "data_time_s",
+    "memory/peak_active_gib", "memory/peak_reserved_gib", "tokens_seen",
+)
+
+
+def flops_per_token(non_embedding_params: int, n_layers: int, dim: int, seq_len: int) -> int:
+    return 6 * non_embedding_params + 12 * n_layers * dim * seq_len
+
+
+def gpu_bf16_peak_flops(device: torch.device) -> tuple[str, float | None]:
+    """(device name, dense bf16 peak FLOP/s or None when unknown, e.g. on CPU)."""
+    if device.type != "cuda":
+        return "cpu", None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in _BF16_PEAK:
+        if key in name:
+            return name, peak
+    return name, None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory since the last reset: CUDA active/reserved, or the process's peak RSS on CPU."""
+    gib = 1024**3
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {
+            "memory/peak_active_gib": stats.get("active_bytes.all.peak", 0) / gib,
+            "memory/peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / gib,
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib
+    return {"memory/peak_active_gib": rss, "memory/peak_reserved_gib": rss}
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class MetricsLogger:
+    """Writes one record per logged step to the console, metrics.jsonl and TensorBoard (rank 0 only)."""
+
+    def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, is_main: bool,
+                 config_text: str = "") -> None:
+        self.is_main = is_main
+        self._jsonl = None
+        self._tb = None
+        if not is_main:
+            return
+        folder = Path(dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (folder / "metrics.jsonl").open("a")
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(folder / "tb" / run_name))
+            if config_text:
+                self._tb.add_text("config", "```\n" + config_text + "\n```", 0)
+            self._tb.add_custom_scalars(_dashboard_layout())
+
+    def log(self, record: dict[str, Any], total_steps: int, eta_s: float | None = None) -> None:
+        if not self.is_main:
+            return
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        step = record["step"]
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(_tb_tag(key), value, step)
+            self._tb.flush()
+        mfu = record.get("mfu_pct")
+        mfu_txt = f"  mfu {mfu:5.1f}%" if mfu is not None else ""
+        eta_txt = f"  eta {_fmt_eta(eta_s)}" if eta_s is not None else ""
+        print(
+            f"step {step:>6}/{total_steps}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}"
+            f"  lr {record['lr']:.2e}  tps {record['tps']:,.0f}{mfu_txt}"
+            f"  mem {record['memory/peak_active_gib']:.2f}GiB  step {record['step_time_s'] * 1000:.0f}ms{eta_txt}",
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+_TB_GROUPS = {
+    "tps": "throughput", "tflops": "throughput", "mfu_pct": "throughput",
+    "loss": "loss", "grad_norm": "loss", "lr": "loss",
+    "step_time_s": "time", "data_time_s": "time", "fwd_bwd_time_s": "time", "optim_time_s": "time",
+    "tokens_seen": "progress",
+}
+
+
+def _tb_tag(key: str) -> str:
+    """TensorBoard tag grouped by dashboard section (throughput/, memory/, loss/, time/)."""
+    if "/" in key:
+        return key
+    return f"{_TB_GROUPS.get(key, 'other')}/{key}"
+
+
+def _dashboard_layout() -> Any:
+    from tensorboard.compat.proto import layout_pb2
+
+    def chart(title: str, tags: list[str]) -> Any:
+        return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=tags))
+
+    return layout_pb2.Layout(category=[
+        layout_pb2.Category(title="throughput (all runs)", chart=[
+            chart("tokens/s per GPU", [r"throughput/tps"]),
+            chart("achieved TFLOP/s per GPU", [r"throughput/tflops"]),
+            chart("MFU % (vs bf16 dense peak)", [r"throughput/mfu_pct"]),
+        ]),
+        layout_pb2.Category(title="memory", chart=[chart("peak GiB", [r"memory/.*"])]),
+        layout_pb2.Category(title="training", chart=[
+            chart("loss", [r"loss/loss"]), chart("grad norm", [r"loss/grad_norm"]), chart("lr", [r"loss/lr"]),
+        ]),
+        layout_pb2.Category(title="time", chart=[chart("seconds per step", [r"time/.*"])]),
+    ])
+
+
+class StepTimer:
+    """Wall-clock timing that synchronises CUDA so step times are real."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,80 @@
+"""Model construction for the trainer: flavour -> meta model -> float8 -> weights init."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
+from trainer.config import Config
+from trainer.errors import UserError
+
+
+def model_args_for(cfg: Config, tokenizer_words: int | None) -> LlamaArgs:
+    """The flavour's shape, with the config's overrides, checked against the tokenizer."""
+    args = LLAMA2_FLAVORS[cfg.model.flavor]
+    changes: dict[str, Any] = {"max_seq_len": max(args.max_seq_len, cfg.training.seq_len)}
+    if cfg.model.n_layers:
+        changes["n_layers"] = cfg.model.n_layers
+    args = dataclasses.replace(args, **changes)
+    if tokenizer_words is not None and tokenizer_words > args.vocab_size:
+        raise UserError(
+            f"model.tokenizer_path has {tokenizer_words} tokens but model.flavor '{cfg.model.flavor}' "
+            f"has vocab_size {args.vocab_size}"
+        )
+    return args
+
+
+def build_meta_model(args: LlamaArgs) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(args)
+
+
+def float8_config(cfg: Config) -> Any:
+    from float8 import Float8Config
+
+    f = cfg.float8
+    return Float8Config(
+        scaling=f.scaling, emulate=f.emulate, fsdp_float8_all_gather=f.fsdp_float8_all_gather and f.scaling == "tensorwise",
+        filter_fqns=list(f.filter_fqns), min_features=f.min_features,
+    )
+
+
+def convert_float8(model: nn.Module, cfg: Config) -> Any:
+    """Swap eligible linears for float8 linears (before any parallelism); None when float8 is off."""
+    if not cfg.float8.enabled:
+        return None
+    from float8 import convert_to_float8_training
+
+    return convert_to_float8_training(model, config=float8_config(cfg))
+
+
+def init_weights(model: nn.Module, args: LlamaArgs, cfg: Config, device: torch.device) -> None:
+    """Allocate the (sharded) parameters and initialise them.
+
+    On CPU, DTensor has no layout-independent RNG, so rank 0 initialises a full copy and
+    broadcasts it: 1 process, FSDP and TP then start from identical weights. On GPU,
+    DTensor's offset-based RNG gives the same property without a full copy.
+    """
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.training.seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    if device.type != "cpu":
+        return
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full_sd: dict[str, torch.Tensor] = {}
+    if dist.get_rank() == 0:
+        torch.manual_seed(cfg.training.seed)
+        full = Transformer(args)
+        with torch.no_grad():
+            full.init_weights()
+        full_sd = full.state_dict()
+    set_model_state_dict(
+        model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )

@@ -1,0 +1,49 @@
+"""AdamW and the warmup + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from trainer.config import LRSchedulerConfig, OptimizerConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on matrices only (norm weights are not decayed)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def lr_multiplier(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based, before the step runs)."""
+    warmup = cfg.warmup_steps
+    if warmup and step < warmup:
+        return (step + 1) / (warmup + 1)
+    if cfg.decay == "none":
+        return 1.0
+    span = max(total_steps - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    if cfg.decay == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, total_steps, cfg))

@@ -1,0 +1,174 @@
+"""Parallelism and compile, applied from outside the model by module names.
+
+Order (DESIGN.md): float8 conversion (done by the caller, on meta) -> tensor
+parallel -> activation checkpointing -> torch.compile -> FSDP2. Compile comes
+before FSDP so each compiled block is one graph with FSDP's hooks around it, and
+TP comes first so compile traces the DTensor-sharded block.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from trainer.config import Config
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
+    """Apply TP, AC, compile and FSDP2 to a (meta) LLaMA in the fixed order."""
+    tp = mesh["tp"].size()
+    if tp > 1:
+        float8_tp = (
+            cfg.float8.enabled and cfg.float8.scaling == "tensorwise" and cfg.parallelism.float8_tensor_parallel
+        )
+        apply_tp(model, mesh["tp"], float8_tp=float8_tp)
+    if cfg.activation_checkpoint.mode != "none":
+        apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_option)
+    if cfg.compile.mode != "none":
+        apply_compile(model, cfg.compile.mode, cfg.compile.backend)
+    apply_fsdp(
+        model,
+        mesh["dp"],
+        param_dtype=_DTYPES[cfg.training.mixed_precision_param],
+        reduce_dtype=_DTYPES[cfg.training.mixed_precision_reduce],
+        reshard_after_forward=cfg.parallelism.reshard_after_forward,
+    )
+    return model
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
+    """Megatron-style TP with sequence parallel: activations between blocks are sharded on the sequence dim.
+
+    With tensorwise float8 the float8-aware styles cast before the all-gather, so the
+    activation all-gathers move 1-byte data.
+    """
+    if float8_tp:
+        from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+        colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    else:
+        colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            # The output layer stays high precision (filtered from float8), so plain TP.
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+        },
+    )
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": prepare_input(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise(),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": colwise(),
+        }
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _selective_policy():
+    """Save GEMM, attention and reduce-scatter outputs; recompute the cheap pointwise ops."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ops = [
+        torch.ops.aten.mm.default,
+        torch.ops.aten._scaled_mm.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        # amax of float8 casts: recomputing would need the high-precision tensor anyway
+        torch.ops.aten.max.default,
+    ]
+    if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        ops.append(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+    save = set(ops)
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    every_nth = int(selective_option) if mode == "selective" and selective_option.isdigit() else 0
+    for i, (name, block) in enumerate(list(model.layers.named_children())):
+        if mode == "full" or (every_nth and i % every_nth == 0):
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif every_nth:
+            continue
+        else:
+            policy = _selective_policy()
+            wrapped = checkpoint_wrapper(
+                block,
+                context_fn=lambda p=policy: create_selective_checkpoint_contexts(p),
+                preserve_rng_state=False,
+            )
+        model.layers.register_module(name, wrapped)
+
+
+def apply_compile(model: nn.Module, mode: str, backend: str) -> None:
+    """`block`: each block compiled in place (identical blocks share code); `model`: the whole module.
+
+    `nn.Module.compile` keeps parameter names unchanged (no `_orig_mod.` prefix), so
+    checkpoints and weight loading do not care about the compile mode.
+    """
+    if mode == "block":
+        for block in model.layers.values():
+            block.compile(backend=backend, fullgraph=True)
+    else:
+        # FSDP's hooks sit between blocks, so the whole-model graph cannot be a single graph.
+        model.compile(backend=backend)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+) -> None:
+    """fully_shard each block, then the root (embedding, final norm and output)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's weights are needed again at once by backward: keep them gathered.
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def float8_layer_summary(converted: list[str]) -> dict[str, int]:
+    """Count converted linears by leaf name (wq x32 ...) for readable plans."""
+    counts: dict[str, int] = defaultdict(int)
+    for fqn in converted:
+        counts[fqn.split(".")[-1]] += 1
+    return dict(counts)

@@ -1,0 +1,57 @@
+"""`--job.dry_run true`: the plan of a run, built on the meta device without allocating weights."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from models.llama import num_params
+from trainer.advisor import advise
+from trainer.config import Config, check_layout
+from trainer.metrics import flops_per_token
+from trainer.model_setup import build_meta_model, convert_float8, model_args_for
+
+
+def _planned_world_size(cfg: Config) -> int:
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    dp, tp = cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree
+    return dp * tp if dp > 0 else tp
+
+
+def print_plan(cfg: Config) -> None:
+    """Print parameters, FLOPs, tokens per step, layout, float8 layers, compile and AC; no weights."""
+    args = model_args_for(cfg, None)
+    world = _planned_world_size(cfg)
+    dp, tp = check_layout(cfg, world, args.n_heads, args.n_kv_heads)
+    model = build_meta_model(args)
+    report = convert_float8(model, cfg)
+    total = num_params(model)
+    fpt = flops_per_token(num_params(model, exclude_embedding=True), args.n_layers, args.dim, cfg.training.seq_len)
+    t = cfg.training
+    tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * dp
+    precision = f"float8 {cfg.float8.scaling}" if cfg.float8.enabled else t.mixed_precision_param
+    layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
+    if cfg.parallelism.data_parallel_shard_degree == -1 and "WORLD_SIZE" not in os.environ:
+        layout += " (dp = -1 takes the rest of the world at launch)"
+    lines = [
+        f"dry run: {cfg.model.name} {cfg.model.flavor}",
+        f"  parameters        {total:,} ({num_params(model, exclude_embedding=True):,} without the embedding)",
+        f"  shape             dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads, "
+        f"{args.n_kv_heads} KV heads, FFN {args.hidden_dim}, vocab {args.vocab_size}",
+        f"  FLOPs per token   {fpt:,} ({fpt / 1e9:.2f} GFLOP; 6N + 12·L·d·S at seq {t.seq_len})",
+        f"  tokens per step   {tokens_per_step:,} (batch {t.batch_size} x seq {t.seq_len} x accum "
+        f"{t.gradient_accumulation_steps} x dp {dp})",
+        f"  layout            {layout}",
+        f"  precision         {precision}; params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}",
+        f"  compile           {cfg.compile.mode}",
+        f"  activation ckpt   {cfg.activation_checkpoint.mode}"
+        + (f" ({cfg.activation_checkpoint.selective_option})" if cfg.activation_checkpoint.mode == "selective" else ""),
+    ]
+    if report is not None:
+        lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
+    for note in advise(cfg, device, report, tp):
+        lines.append(f"  warning: {note}")
+    print("\n".join(lines), flush=True)

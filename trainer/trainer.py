@@ -1,0 +1,274 @@
+"""The training loop and the build order that precedes it.
+
+Build order (DESIGN.md): tokenizer + data -> model on meta -> float8 conversion ->
+FLOPs per token -> TP -> AC -> compile -> FSDP2 -> materialise + init/load ->
+optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models.llama import num_params
+from trainer import distributed
+from trainer.advisor import advise
+from trainer.config import Config, check_layout, to_toml
+from trainer.data import build_dataloader
+from trainer.errors import UserError
+from trainer.metrics import (
+    MetricsLogger,
+    StepTimer,
+    flops_per_token,
+    gpu_bf16_peak_flops,
+    memory_stats,
+    reset_peak_memory,
+    warn,
+)
+from trainer.model_setup import build_meta_model, convert_float8, model_args_for
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.parallelize import parallelize_llama
+from trainer.profiling import StepProfiler
+from trainer.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = int(sd["step"])
+        self.tokens_seen = int(sd["tokens_seen"])
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    """Owns the model, optimizer, data and metrics for one run."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        device_type = distributed.pick_device_type(cfg.training.device)
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise UserError("training.device = 'cuda' but no CUDA device is available")
+        self.dist = distributed.init_distributed(device_type)
+        self.device = self.dist.device
+        self.is_main = self.dist.is_main
+        seed_everything(cfg.training.seed, cfg.training.deterministic)
+
+        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.model_args = model_args_for(cfg, self.tokenizer.n_words)
+        dp, tp = check_layout(cfg, self.dist.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
+        self.dp, self.tp = dp, tp
+        self.mesh = distributed.build_mesh(device_type, dp, tp)
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+
+        self.dataloader = build_dataloader(
+            cfg.data, self.tokenizer, seq_len=cfg.training.seq_len, batch_size=cfg.training.batch_size,
+            dp_rank=self.dp_rank, dp_degree=dp, seed=cfg.training.seed,
+        )
+
+        model = build_meta_model(self.model_args)
+        self.float8_report = convert_float8(model, cfg)
+        self.flops_per_token = flops_per_token(
+            num_params(model, exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
+            cfg.training.seq_len,
+        )
+        self.n_params = num_params(model)
+        self.model = parallelize_llama(model, self.mesh, cfg)
+        self._materialize()
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, device_type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.state = TrainState()
+        self.device_name, self.peak_flops = gpu_bf16_peak_flops(self.device)
+
+        from trainer.checkpoint import CheckpointManager
+
+        self.checkpointer = CheckpointManager(self)
+        self._stop_requested = False
+
+    # -- setup helpers -------------------------------------------------------
+
+    def _materialize(self) -> None:
+        """Allocate the sharded weights and initialise them identically for any layout."""
+        from trainer.model_setup import init_weights
+
+        init_weights(self.model, self.model_args, self.cfg, self.device)
+
+    def run_name(self) -> str:
+        if self.cfg.job.run_name:
+            return self.cfg.job.run_name
+        precision = self.cfg.float8.scaling if self.cfg.float8.enabled else "bf16"
+        return f"{self.cfg.model.flavor}-{precision}-{self.cfg.compile.mode}"
+
+    def _startup_summary(self) -> None:
+        c = self.cfg
+        precision = f"float8 {c.float8.scaling}" if c.float8.enabled else c.training.mixed_precision_param
+        tokens_per_step = c.training.batch_size * c.training.seq_len * c.training.gradient_accumulation_steps * self.dp
+        peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
+        lines = [
+            f"run {self.run_name()}: {c.job.description}" if c.job.description else f"run {self.run_name()}",
+            f"model llama2 {c.model.flavor}: {self.n_params:,} params, {self.model_args.n_layers} layers, "
+            f"{self.flops_per_token / 1e9:.2f} GFLOP/token",
+            f"device {self.device_name} ({peak}) x {self.dist.world_size}; mesh dp={self.dp} tp={self.tp}",
+            f"precision {precision}; compile {c.compile.mode}; activation checkpoint {c.activation_checkpoint.mode}",
+            f"tokens per step {tokens_per_step:,} (batch {c.training.batch_size} x seq {c.training.seq_len} "
+            f"x accum {c.training.gradient_accumulation_steps} x dp {self.dp})",
+        ]
+        if self.float8_report is not None:
+            lines.append(f"float8: {self.float8_report}")
+        for line in lines:
+            print(line, flush=True)
+
+    # -- the loop ------------------------------------------------------------
+
+    def _next_micro_batches(self, data_iter) -> list[dict[str, torch.Tensor]]:
+        try:
+            return [next(data_iter) for _ in range(self.cfg.training.gradient_accumulation_steps)]
+        except StopIteration:
+            raise UserError(f"data.path '{self.cfg.data.path}' produced no batches") from None
+
+    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+        logits = self.model(batch["input_ids"], **kwargs)
+        labels = batch["labels"]
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100, reduction="sum"
+        )
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step over the micro-batches; returns (mean loss, grad norm)."""
+        cfg = self.cfg
+        micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        # The loss is a mean over every target token of the global batch, so the same
+        # step gives the same gradient whatever the DP degree or accumulation split.
+        n_tokens = torch.tensor(sum(int((mb["labels"] != -100).sum()) for mb in micro_batches),
+                                device=self.device, dtype=torch.float64)
+        dp_group = self.mesh["dp"].get_group()
+        dist.all_reduce(n_tokens, group=dp_group)
+        n_tokens = n_tokens.clamp(min=1.0)
+        loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == last)
+            loss_sum = self._loss_sum(mb)
+            # FSDP averages gradients over dp ranks; scale so the result is a global token mean.
+            (loss_sum * (self.dp / n_tokens.item())).backward()
+            loss_total += loss_sum.detach().double()
+        dist.all_reduce(loss_total, group=dp_group)
+        max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if cfg.float8.enabled and cfg.float8.fsdp_float8_all_gather:
+            from float8 import precompute_float8_scales_for_fsdp
+
+            precompute_float8_scales_for_fsdp(self.model)
+        return (loss_total / n_tokens).item(), float(grad_norm)
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self._stop_requested = True
+            if self.is_main:
+                print(f"received signal {signum}: finishing this step, saving a checkpoint, then exiting",
+                      flush=True)
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+    def _stop_everywhere(self) -> bool:
+        flag = torch.tensor(int(self._stop_requested), device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def train(self) -> None:
+        cfg = self.cfg
+        dump = Path(cfg.job.dump_folder)
+        if self.is_main:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / "config.toml").write_text(to_toml(cfg))
+            self._startup_summary()
+            for message in advise(cfg, self.device, self.float8_report, self.tp):
+                warn(message)
+        resumed = self.checkpointer.load_latest()
+        if resumed and self.is_main:
+            print(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})", flush=True)
+        logger = MetricsLogger(str(dump), self.run_name(), cfg.metrics.enable_tensorboard, self.is_main,
+                               config_text=to_toml(cfg))
+        profiler = StepProfiler(cfg.profiling, dump, self.dist.rank, self.device)
+        self._install_signal_handlers()
+        timer = StepTimer(self.device)
+        self.model.train()
+        data_iter = iter(self.dataloader)
+        tokens_per_step_local = (
+            cfg.training.batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
+        )
+        tokens_per_gpu = tokens_per_step_local / self.tp
+        train_start = time.perf_counter()
+        first_step = self.state.step + 1
+        try:
+            while self.state.step < cfg.training.steps:
+                step = self.state.step + 1
+                reset_peak_memory(self.device)
+                t0 = timer.now()
+                micro_batches = self._next_micro_batches(data_iter)
+                t_data = timer.now()
+                with profiler.step(step):
+                    loss, grad_norm = self.train_step(micro_batches)
+                t_end = timer.now()
+                self.state.step = step
+                self.state.tokens_seen += tokens_per_step_local * self.dp
+                if not torch.isfinite(torch.tensor(loss)):
+                    raise RuntimeError(f"loss is {loss} at step {step}")
+                if step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+                    step_time = t_end - t0
+                    tps = tokens_per_gpu / step_time
+                    tflops = tps * self.flops_per_token / 1e12
+                    record = {
+                        "step": step, "loss": loss, "grad_norm": grad_norm,
+                        "lr": self.lr_scheduler.get_last_lr()[0], "tps": tps, "tflops": tflops,
+                        "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
+                        "step_time_s": step_time, "data_time_s": t_data - t0,
+                        **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
+                    }
+                    done = step - first_step + 1
+                    eta = (time.perf_counter() - train_start) / done * (cfg.training.steps - step)
+                    logger.log(record, cfg.training.steps, eta)
+                stop = self._stop_everywhere()
+                self.checkpointer.maybe_save(force=stop or step == cfg.training.steps)
+                if stop:
+                    if self.is_main:
+                        print(f"stopped at step {step} on request; checkpoint saved", flush=True)
+                    break
+            self.checkpointer.maybe_export_final()
+        finally:
+            self.checkpointer.close()
+            logger.close()
+
+    def close(self) -> None:
+        distributed.shutdown()
+
