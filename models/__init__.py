@@ -1,0 +1,1 @@
+"""Model definitions only: no parallelism, no training code."""

@@ -38,6 +38,7 @@ from trainer.model_setup import build_meta_model, convert_float8, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize_llama
 from trainer.profiling import StepProfiler
+from trainer.sft_data import SFTOptions
 from trainer.tokenizer import Tokenizer
 
 
@@ -63,6 +64,17 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def sft_options(cfg: Config) -> SFTOptions | None:
+    if cfg.data.kind != "sft":
+        return None
+    d = cfg.data
+    return SFTOptions(
+        format=d.sft_format, instruction_field=d.instruction_field, input_field=d.input_field,
+        output_field=d.output_field, messages_field=d.messages_field, train_on=d.train_on, pack=d.pack,
+        truncation=d.truncation, shuffle=d.shuffle,
+    )
+
+
 class Trainer:
     """Owns the model, optimizer, data and metrics for one run."""
 
@@ -84,8 +96,9 @@ class Trainer:
         self.dp_rank = self.mesh["dp"].get_local_rank()
 
         self.dataloader = build_dataloader(
-            cfg.data, self.tokenizer, seq_len=cfg.training.seq_len, batch_size=cfg.training.batch_size,
-            dp_rank=self.dp_rank, dp_degree=dp, seed=cfg.training.seed,
+            kind=cfg.data.kind, path=cfg.data.path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
+            batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=dp, seed=cfg.training.seed,
+            text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
         )
 
         model = build_meta_model(self.model_args)

@@ -1,0 +1,102 @@
+"""Loss parity across layouts (1 process, FSDP=2, TP=2, FSDP x TP), precisions, compile and AC modes.
+
+Every run starts from the same weights (rank 0 initialises on CPU and broadcasts) and
+reads the same sequences per step whatever the DP degree, so per-step losses must agree.
+"""
+
+import pytest
+
+from tests.helpers import read_metrics, run_train
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+BASE = [
+    "--model.n_layers", "2", "--training.seq_len", "64", "--training.steps", str(STEPS),
+    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+    "--lr_scheduler.warmup_steps", "2",
+]
+
+
+def _losses(tmp_path, name: str, args: list[str], nproc: int = 1) -> list[float]:
+    dump = tmp_path / name
+    result = run_train([*BASE, "--job.dump_folder", str(dump), *args], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(dump)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    return [r["loss"] for r in rows]
+
+
+def _assert_close(a: list[float], b: list[float], rtol: float, label: str) -> None:
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        assert abs(x - y) <= rtol * abs(x), f"{label}: step {step} loss {x} vs {y}"
+
+
+FLOAT8 = {
+    "bf16": [],
+    "tensorwise": ["--float8.enabled", "true", "--float8.scaling", "tensorwise"],
+    "rowwise": ["--float8.enabled", "true", "--float8.scaling", "rowwise"],
+}
+
+
+@pytest.mark.parametrize("precision", list(FLOAT8))
+def test_loss_parity_single_fsdp_tp(tmp_path, precision):
+    extra = FLOAT8[precision]
+    single = _losses(tmp_path, "single", ["--training.batch_size", "8", *extra])
+    assert single[-1] < single[0] - 0.5, f"loss did not fall: {single}"
+    fsdp = _losses(tmp_path, "fsdp", ["--training.batch_size", "4", *extra], nproc=2)
+    tp = _losses(
+        tmp_path, "tp", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2", *extra], nproc=2
+    )
+    _assert_close(single, fsdp, 1e-2, f"{precision} FSDP=2 vs 1 process")
+    _assert_close(single, tp, 1e-2, f"{precision} TP=2 vs 1 process")
+
+
+def test_fsdp_float8_all_gather_same_losses(tmp_path):
+    args = ["--training.batch_size", "4", *FLOAT8["tensorwise"]]
+    off = _losses(tmp_path, "off", [*args, "--float8.fsdp_float8_all_gather", "false"], nproc=2)
+    on = _losses(tmp_path, "on", [*args, "--float8.fsdp_float8_all_gather", "true"], nproc=2)
+    _assert_close(off, on, 1e-2, "float8 all-gather on vs off")
+
+
+def test_compile_modes_same_losses(tmp_path):
+    args = ["--training.batch_size", "8", "--model.n_layers", "1"]
+    eager = _losses(tmp_path, "none", args)
+    for mode in ("block", "model"):
+        compiled = _losses(tmp_path, mode, [*args, "--compile.mode", mode])
+        _assert_close(eager, compiled, 1e-2, f"compile {mode} vs none")
+
+
+def test_activation_checkpoint_modes_same_losses(tmp_path):
+    args = ["--training.batch_size", "8"]
+    none = _losses(tmp_path, "none", args)
+    for mode, option in (("full", "op"), ("selective", "op"), ("selective", "2")):
+        ac = _losses(tmp_path, f"{mode}{option}", [*args, "--activation_checkpoint.mode", mode,
+                                                   "--activation_checkpoint.selective_option", option])
+        _assert_close(none, ac, 1e-3, f"AC {mode}/{option} vs none")
+
+
+def test_gradient_accumulation_matches_larger_batch(tmp_path):
+    big = _losses(tmp_path, "big", ["--training.batch_size", "8"])
+    accum = _losses(tmp_path, "accum", ["--training.batch_size", "4", "--training.gradient_accumulation_steps", "2"])
+    _assert_close(big, accum, 1e-2, "accumulation 2x4 vs batch 8")
+
+
+def test_2d_mesh_fsdp_x_tp(tmp_path):
+    single = _losses(tmp_path, "single", ["--training.batch_size", "8"])
+    mesh2d = _losses(
+        tmp_path, "2d", ["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2"], nproc=4
+    )
+    _assert_close(single, mesh2d, 1e-2, "FSDP=2 x TP=2 vs 1 process")
+
+
+def test_invalid_layout_exits_2(tmp_path):
+    result = run_train(["--parallelism.tensor_parallel_degree", "4", "--job.dump_folder", str(tmp_path)], nproc=2)
+    assert result.returncode != 0
+    assert "tensor_parallel_degree = 4 does not divide the world size 2" in result.stderr
+    single = run_train(["--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)])
+    assert single.returncode == 2
+    assert single.stderr.strip() == (
+        "error: parallelism.data_parallel_shard_degree (2) x tensor_parallel_degree (1) = 2 "
+        "does not match the world size 1"
+    )

@@ -1,0 +1,115 @@
+"""scripts/convert_weights.py end to end, and its one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.llama import LLAMA2_FLAVORS, Transformer
+from models.llama.weights import hf_config_from_args, llama_to_hf
+from models.llama.weights_io import read_weights, write_weights
+from scripts.convert_weights import main
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG = LLAMA2_FLAVORS["debug"]
+
+
+@pytest.fixture(scope="module")
+def debug_state_dict() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        shapes = Transformer(DEBUG).state_dict()
+    return {key: torch.randn(t.shape) for key, t in shapes.items()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_meta_to_hf_to_torch_to_meta(
+    tmp_path: Path, debug_state_dict: dict[str, torch.Tensor]
+) -> None:
+    write_weights("meta", debug_state_dict, DEBUG, tmp_path / "meta", num_shards=2)
+    steps = [
+        ["--from", "meta", "--to", "hf", str(tmp_path / "meta"), str(tmp_path / "hf")],
+        [
+            "--from",
+            "hf",
+            "--to",
+            "torch",
+            str(tmp_path / "hf"),
+            str(tmp_path / "model.safetensors"),
+        ],
+        [
+            "--from",
+            "torch",
+            "--to",
+            "meta",
+            "--flavor",
+            "debug",
+            str(tmp_path / "model.safetensors"),
+            str(tmp_path / "meta2"),
+        ],
+    ]
+    for argv in steps:
+        assert main(argv) == 0, argv
+    args, state_dict = read_weights("meta", tmp_path / "meta2", DEBUG)
+    # params.json has no max_seq_len (Meta's loader passes it separately).
+    assert dataclasses.replace(args, max_seq_len=DEBUG.max_seq_len) == DEBUG
+    assert_same(state_dict, debug_state_dict)
+
+
+def test_dtype_cast(tmp_path: Path, debug_state_dict: dict[str, torch.Tensor]) -> None:
+    write_weights("torch", debug_state_dict, DEBUG, tmp_path / "model.pt")
+    argv = ["--from", "torch", "--to", "hf", "--flavor", "debug", "--dtype", "bf16"]
+    assert main([*argv, str(tmp_path / "model.pt"), str(tmp_path / "hf")]) == 0
+    _, state_dict = read_weights("hf", tmp_path / "hf", DEBUG)
+    assert {t.dtype for t in state_dict.values()} == {torch.bfloat16}
+
+
+def test_reads_pytorch_model_bin(tmp_path: Path, debug_state_dict: dict[str, torch.Tensor]) -> None:
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    torch.save(llama_to_hf(debug_state_dict, DEBUG), hf_dir / "pytorch_model.bin")
+    (hf_dir / "config.json").write_text(json.dumps(hf_config_from_args(DEBUG)))
+    _, state_dict = read_weights("hf", hf_dir, DEBUG)
+    assert_same(state_dict, debug_state_dict)
+
+
+def test_bad_inputs_exit_2_with_one_line(
+    tmp_path: Path, debug_state_dict: dict[str, torch.Tensor], capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_weights("torch", debug_state_dict, DEBUG, tmp_path / "model.pt")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    cases = {
+        "directory not found": ["--from", "hf", "--to", "torch", str(tmp_path / "nope"), str(tmp_path / "a.pt")],
+        "needs --flavor": ["--from", "torch", "--to", "hf", str(tmp_path / "model.pt"), str(tmp_path / "b")],
+        "already exists": ["--from", "torch", "--to", "hf", "--flavor", "debug", str(tmp_path / "model.pt"), str(tmp_path / "taken")],
+        "missing key 'layers.4.attention.wq.weight'": [
+            "--from", "torch", "--to", "hf", "--flavor", "7B", str(tmp_path / "model.pt"), str(tmp_path / "c"),
+        ],
+    }  # fmt: skip
+    for message, argv in cases.items():
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, err
+        assert err.count("\n") == 1, err
+
+
+def test_cli_prints_no_traceback(tmp_path: Path) -> None:
+    script = ROOT / "scripts" / "convert_weights.py"
+    argv = ["--from", "meta", "--to", "hf", str(tmp_path / "missing"), str(tmp_path / "out")]
+    result = subprocess.run(
+        [sys.executable, str(script), *argv], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr

@@ -1,0 +1,180 @@
+"""Model weights outside the training state: DCP reading without pickles, initial weights, exports.
+
+DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` and loads
+non-tensor entries with ``torch.load(weights_only=False)``. Our checkpoints hold only
+tensors (non-tensor state is JSON, see ``trainer/checkpoint.py``) and
+:class:`SafeFileSystemReader` unpickles the metadata through an allowlist, so reading
+a checkpoint never runs code from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from models.llama import LlamaArgs
+from models.llama.weights import WeightsError, meta_params_from_args
+from models.llama.weights_io import read_weights
+from trainer.errors import UserError
+
+# Keys of the model inside our DCP checkpoints (see trainer/checkpoint.py). Model-only
+# DCP checkpoints (e.g. torchtitan's seed checkpoints) store the model keys bare.
+DCP_MODEL_PREFIXES = ("app.model.", "model.", "")
+
+# Everything a DCP .metadata pickle refers to (torch 2.4 .. 2.13).
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"unexpected object {module}.{name} in checkpoint metadata")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata is unpickled through an allowlist of DCP's own types."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for an exception, looking inside DCP's CheckpointException for the real cause."""
+    if isinstance(e, CheckpointException) and e.failures:
+        inner = next(iter(e.failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else inner
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def read_dcp_metadata(path: str | Path, what: str) -> Metadata:
+    """The metadata of a DCP checkpoint directory, or a one-line UserError naming `what`."""
+    if not (Path(path) / ".metadata").is_file():
+        raise UserError(f"{what} {path} is not a complete DCP checkpoint (no .metadata)")
+    try:
+        return SafeFileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise UserError(f"{what} {path}: unreadable .metadata ({describe_error(e)})") from None
+
+
+def dcp_model_shapes(metadata: Metadata, prefix: str) -> dict[str, torch.Size]:
+    """Full shapes of the tensors under `prefix`, with the prefix removed."""
+    return {
+        key[len(prefix):]: md.size
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+
+
+def check_model_keys(expected: dict[str, torch.Size], stored: dict[str, torch.Size], what: str) -> None:
+    """Same keys and full shapes, else a one-line UserError that names the first difference."""
+    missing = [k for k in expected if k not in stored]
+    if missing:
+        raise UserError(
+            f"{what} lacks {len(missing)} model weights, e.g. '{missing[0]}' (a different model? "
+            "check model.flavor / model.n_layers)"
+        )
+    extra = [k for k in stored if k not in expected]
+    if extra:
+        raise UserError(
+            f"{what} has {len(extra)} weights this model lacks, e.g. '{extra[0]}' "
+            "(check model.flavor / model.n_layers)"
+        )
+    for key, shape in expected.items():
+        if tuple(stored[key]) != tuple(shape):
+            raise UserError(
+                f"{what}: '{key}' has shape {tuple(stored[key])} but the model needs {tuple(shape)} "
+                "(check model.flavor / model.n_layers)"
+            )
+
+
+def _model_prefix(metadata: Metadata, expected: dict[str, Any]) -> str:
+    """The prefix under which `metadata` stores the model: the one that holds the most of its keys."""
+    keys = metadata.state_dict_metadata
+    hits = {p: sum(p + k in keys for k in expected) for p in DCP_MODEL_PREFIXES}
+    return max(DCP_MODEL_PREFIXES, key=lambda p: hits[p])
+
+
+def load_dcp_model(model: nn.Module, path: str | Path, what: str = "checkpoint.initial_load_path") -> None:
+    """Model weights from a DCP directory (a training checkpoint or a model-only one).
+
+    Works for sharded models under a process group and for plain single-process models.
+    """
+    metadata = read_dcp_metadata(path, what)
+    state = get_model_state_dict(model)
+    prefix = _model_prefix(metadata, state)
+    stored = dcp_model_shapes(metadata, prefix)
+    check_model_keys({k: v.shape for k, v in state.items()}, stored, f"{what} {path}")
+    try:
+        dcp.load(
+            {prefix + k: v for k, v in state.items()},
+            storage_reader=SafeFileSystemReader(str(path)),
+            no_dist=not torch.distributed.is_initialized(),
+        )
+    except (Exception, CheckpointException) as e:
+        raise UserError(f"{what} {path} cannot be loaded: {describe_error(e)}") from None
+    set_model_state_dict(model, state)
+
+
+def load_full_state_dict(path: str, fmt: str, args: LlamaArgs) -> dict[str, torch.Tensor]:
+    """A full (unsharded) state dict in our names from hf / meta / torch weights."""
+    try:
+        _, state_dict = read_weights(fmt, path, args)
+    except WeightsError as e:
+        raise UserError(f"checkpoint.initial_load_path: {e}") from None
+    return state_dict
+
+
+def export_model(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: Path, dtype: torch.dtype) -> None:
+    """`out/model.safetensors` (our names, `dtype`) and `out/params.json` (Meta's params).
+
+    Written next to `out` and renamed into place, so `out` is either the old or the new export.
+    """
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    tensors = {k: v.to(dtype).contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "params.json").write_text(json.dumps(meta_params_from_args(args), indent=2) + "\n")
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        shutil.rmtree(old)
+    os.replace(tmp, out)
