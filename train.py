@@ -6,8 +6,13 @@ Launch on several GPUs with `torchrun --nproc_per_node=N train.py --config ...`.
 from __future__ import annotations
 
 import sys
+import warnings
 
 from trainer.errors import UserError
+
+# Known-benign library warnings that would bury the trainer's own messages.
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 
 
 def main(argv: list[str] | None = None) -> int:

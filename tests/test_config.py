@@ -108,3 +108,19 @@ def test_dry_run_7b_plan():
     assert result.returncode == 0, result.stderr
     assert "6,738,415,616" in result.stdout
     assert "46,086,512,640" in result.stdout  # 6N + 12 L d S at seq 4096
+
+
+def test_configuration_doc_lists_every_option():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    for section, values in Config().to_dict().items():
+        assert f"## [{section}]" in doc
+        for key in values:
+            assert f"| `{key}` |" in doc, f"{section}.{key} missing from docs/configuration.md"
+
+
+@pytest.mark.parametrize("path", ["configs/debug.toml", "configs/7b_bf16.toml", "configs/7b_fp8.toml",
+                                  "configs/7b_fp8_rowwise.toml"])
+def test_shipped_configs_validate(path):
+    build_config(["--config", path])

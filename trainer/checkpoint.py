@@ -2,22 +2,30 @@
 
 Layout under ``checkpoint.folder``::
 
-    step-N/            a complete checkpoint (DCP shards + .metadata, extra.json, rng/)
+    step-N/            a complete checkpoint: DCP shards + .metadata, extra.json, rng/
     step-N.partial/    being written; never loaded, removed by the next save
+    final/             model-only export (model.safetensors + params.json)
 
 A checkpoint becomes visible only by the rename of ``step-N.partial`` to ``step-N``,
 done by rank 0 after every rank finished writing, so a process killed mid-save
-leaves the previous checkpoint as the latest complete one.
+leaves the previous checkpoint as the latest complete one. Old checkpoints are
+renamed away before they are deleted for the same reason. A ``step-N`` folder that
+is not loadable is therefore damage, and is reported instead of skipped.
 
-Non-tensor state (step, tokens seen, dataloader position) is JSON and RNG states are
-safetensors, so loading never unpickles anything.
+DCP holds only tensors (model, optimizer moments and steps). Everything else (step,
+tokens seen, LR schedule, optimizer hyperparameters, dataloader position) is JSON in
+``extra.json`` and RNG states are safetensors, so loading never unpickles anything:
+DCP would otherwise pickle non-tensor entries and load them with
+``torch.load(weights_only=False)``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,49 +44,73 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.errors import UserError
+from trainer.weights import (
+    SafeFileSystemReader,
+    check_model_keys,
+    dcp_model_shapes,
+    describe_error,
+    read_dcp_metadata,
+)
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+_MODEL_PREFIX = "app.model."
+EXTRA_KEYS = ("train_state", "lr_scheduler", "optimizer_param_groups", "dataloader", "global_batch")
 
 
 class _ModelAndOptimizer(Stateful):
-    """Sharded model + optimizer state in fully qualified names, layout independent."""
+    """Sharded model + optimizer tensors in fully qualified names, independent of the layout.
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    The optimizer's param_groups (hyperparameters and the current lr) are not tensors:
+    ``state_dict`` leaves them in ``saved_param_groups`` for the caller to store as JSON,
+    and ``load_state_dict`` takes them from ``param_groups_to_load``.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        param_groups_to_load: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.saved_param_groups: list[dict[str, Any]] = []
+        self.param_groups_to_load = param_groups_to_load or []
 
     def state_dict(self) -> dict[str, Any]:
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
+        self.saved_param_groups = optim_sd["param_groups"]
+        return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if self.optimizer is None:
-            set_model_state_dict(self.model, sd["model"])
-        else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        optim_sd = {"state": sd["optimizer"]["state"], "param_groups": self.param_groups_to_load}
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=optim_sd)
 
 
-def complete_checkpoints(folder: Path) -> dict[int, Path]:
-    """step -> path of each complete checkpoint in `folder`."""
+def _param_groups_from_json(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # JSON turns tuples (AdamW's betas) into lists; give the optimizer back what it wrote.
+    return [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()} for g in groups]
+
+
+def step_folders(folder: Path) -> dict[int, Path]:
+    """step -> path of each published checkpoint (``step-N``) in `folder`, oldest first."""
     if not folder.is_dir():
         return {}
     found = {}
     for p in folder.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / ".metadata").is_file() and (p / "extra.json").is_file():
+        if m and p.is_dir():
             found[int(m.group(1))] = p
     return dict(sorted(found.items()))
+
+
+def _remove(path: Path) -> None:
+    """Rename, then delete: a kill mid-delete leaves no half-deleted ``step-N``."""
+    trash = path.with_name(path.name + ".deleting")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -87,18 +120,19 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_model_shapes(model: torch.nn.Module, shapes: dict[str, torch.Size], source: str) -> None:
-    """Compare the full (unsharded) shapes the model expects with those in `source`."""
-    expected = {k: v.shape for k, v in get_model_state_dict(model).items()}
-    missing = [k for k in expected if k not in shapes]
+def read_extra(path: Path) -> dict[str, Any]:
+    """extra.json of a checkpoint, checked; a one-line UserError when missing or damaged."""
+    f = path / "extra.json"
+    if not f.is_file():
+        raise UserError(f"checkpoint {path} is incomplete: extra.json is missing (delete the folder to start from an older one)")
+    try:
+        extra = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint {path}: extra.json is unreadable ({describe_error(e)})") from None
+    missing = [k for k in EXTRA_KEYS if not isinstance(extra, dict) or k not in extra]
     if missing:
-        raise UserError(f"{source} lacks {len(missing)} model weights, e.g. '{missing[0]}' (a different model?)")
-    for key, shape in expected.items():
-        if tuple(shapes[key]) != tuple(shape):
-            raise UserError(
-                f"{source}: '{key}' has shape {tuple(shapes[key])} but the model needs {tuple(shape)} "
-                "(check model.flavor / model.n_layers)"
-            )
+        raise UserError(f"checkpoint {path}: extra.json lacks '{missing[0]}'")
+    return extra
 
 
 class CheckpointManager:
@@ -111,17 +145,25 @@ class CheckpointManager:
         folder = Path(cfg.folder)
         self.folder = folder if folder.is_absolute() else Path(trainer.cfg.job.dump_folder) / folder
         self.last_loaded: Path | None = None
-        self._pending: tuple[Any, Path, Path] | None = None
+        self._pending: tuple[Any, Path, Path, float] | None = None
         self._last_saved_step = -1
-        # Checkpoint collectives run on gloo, also next to NCCL, so async saves do not
-        # compete with training collectives.
+        # Async saves run their collectives on a gloo group of their own, in a background
+        # thread: they must not interleave with the training collectives of the main thread.
         self._pg = dist.new_group(backend="gloo") if cfg.enable and cfg.async_mode == "async" else None
+
+    def _global_batch(self) -> int:
+        t = self.trainer.cfg.training
+        return t.batch_size * self.trainer.dp * t.gradient_accumulation_steps
 
     # -- save ----------------------------------------------------------------
 
     def maybe_save(self, force: bool = False) -> None:
+        """Called after every step: publish a finished async save, save at the interval or when forced."""
+        if not self.cfg.enable:
+            return
+        self._poll_pending()
         step = self.trainer.state.step
-        if not self.cfg.enable or step == self._last_saved_step:
+        if step == self._last_saved_step:
             return
         if force or step % self.cfg.interval == 0:
             self.save(step)
@@ -129,55 +171,71 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         self._finish_pending()
         t = self.trainer
+        start = time.perf_counter()
         final = self.folder / f"step-{step}"
         partial = self.folder / f"step-{step}.partial"
         if t.is_main:
             self.folder.mkdir(parents=True, exist_ok=True)
-            if partial.exists():
-                shutil.rmtree(partial)
-            for stale in self.folder.glob("step-*.partial"):
+            # Leftovers of a process killed while saving or deleting.
+            for stale in [*self.folder.glob("step-*.partial"), *self.folder.glob("step-*.deleting")]:
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
         (partial / "rng").mkdir(parents=True, exist_ok=True)
         save_file(_rng_state(), str(partial / "rng" / f"rank-{t.dist.rank}.safetensors"))
+        app = _ModelAndOptimizer(t.model, t.optimizer)
+        state = {"app": app.state_dict()}
         if t.is_main:
             extra = {
                 "train_state": t.state.state_dict(),
                 "lr_scheduler": t.lr_scheduler.state_dict(),
+                "optimizer_param_groups": app.saved_param_groups,
                 "dataloader": t.dataloader.state_dict(),
+                "global_batch": self._global_batch(),
                 "world_size": t.dist.world_size,
                 "dp": t.dp,
                 "tp": t.tp,
-                "global_batch": t.cfg.training.batch_size * t.dp * t.cfg.training.gradient_accumulation_steps,
             }
             (partial / "extra.json").write_text(json.dumps(extra))
-        app = {"app": _ModelAndOptimizer(t.model, t.optimizer)}
         if self.cfg.async_mode == "async":
-            future = dcp.async_save(app, checkpoint_id=str(partial), process_group=self._pg)
-            self._pending = (future, partial, final)
+            # async_save copies the tensors to host memory before it returns; training goes on
+            # while a background thread writes them.
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._pg)
+            self._pending = (future, partial, final, start)
+            if t.is_main:
+                print(f"checkpoint step-{step}: staged in {time.perf_counter() - start:.1f}s, "
+                      "writing in the background", flush=True)
         else:
-            dcp.save(app, checkpoint_id=str(partial))
-            self._finalize(partial, final)
+            dcp.save(state, checkpoint_id=str(partial))
+            self._publish(partial, final, start)
         self._last_saved_step = step
+
+    def _poll_pending(self) -> None:
+        """Publish an async save as soon as every rank finished writing it."""
+        if self._pending is None:
+            return
+        done = torch.tensor(int(self._pending[0].done()), device=self.trainer.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self._finish_pending()
 
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        future, partial, final = self._pending
-        future.result()
+        future, partial, final, start = self._pending
         self._pending = None
-        self._finalize(partial, final)
+        future.result()
+        self._publish(partial, final, start)
 
-    def _finalize(self, partial: Path, final: Path) -> None:
+    def _publish(self, partial: Path, final: Path, start: float) -> None:
         dist.barrier()
         if self.trainer.is_main:
             if final.exists():
-                shutil.rmtree(final)
-            partial.rename(final)
+                _remove(final)
+            os.replace(partial, final)
             if self.cfg.keep_latest_k > 0:
-                for _, old in list(complete_checkpoints(self.folder).items())[: -self.cfg.keep_latest_k]:
-                    shutil.rmtree(old, ignore_errors=True)
-            print(f"checkpoint saved: {final}", flush=True)
+                for _, old in list(step_folders(self.folder).items())[: -self.cfg.keep_latest_k]:
+                    _remove(old)
+            print(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s)", flush=True)
         dist.barrier()
 
     def close(self) -> None:
@@ -187,11 +245,14 @@ class CheckpointManager:
 
     def load_latest(self) -> bool:
         """Resume from the chosen checkpoint if one exists; else load initial weights if configured."""
-        found = complete_checkpoints(self.folder) if self.cfg.enable else {}
-        if self.cfg.load_step >= 0:
+        found = step_folders(self.folder) if self.cfg.enable else {}
+        if self.cfg.enable and self.cfg.load_step >= 0:
             if self.cfg.load_step not in found:
                 have = ", ".join(str(s) for s in found) or "none"
-                raise UserError(f"checkpoint.load_step = {self.cfg.load_step} not found in {self.folder} (complete: {have})")
+                raise UserError(
+                    f"checkpoint.load_step = {self.cfg.load_step}: no such checkpoint in {self.folder} "
+                    f"(found: {have})"
+                )
             path = found[self.cfg.load_step]
         elif found:
             path = found[max(found)]
@@ -205,40 +266,41 @@ class CheckpointManager:
 
     def _load(self, path: Path) -> None:
         t = self.trainer
-        try:
-            extra = json.loads((path / "extra.json").read_text())
-            metadata = dcp.FileSystemReader(str(path)).read_metadata()
-        except (OSError, ValueError) as e:
-            raise UserError(f"checkpoint {path} is unreadable: {_first_line(e)}") from None
-        global_batch = t.cfg.training.batch_size * t.dp * t.cfg.training.gradient_accumulation_steps
-        if extra.get("global_batch") != global_batch:
+        extra = read_extra(path)
+        metadata = read_dcp_metadata(path, "checkpoint")
+        if extra["global_batch"] != self._global_batch():
             raise UserError(
-                f"checkpoint {path} was written with a global batch of {extra.get('global_batch')} sequences, this run "
-                f"uses {global_batch} (batch_size x dp x accumulation); the data order would differ"
+                f"checkpoint {path} was written with a global batch of {extra['global_batch']} sequences, "
+                f"this run uses {self._global_batch()} (training.batch_size x dp x gradient_accumulation_steps); "
+                "resuming would change the data order, so set them to give the same global batch"
             )
-        shapes = {
-            k.removeprefix("app.model."): v.size
-            for k, v in metadata.state_dict_metadata.items()
-            if k.startswith("app.model.") and hasattr(v, "size")
-        }
-        _check_model_shapes(t.model, shapes, f"checkpoint {path}")
+        expected = {k: v.shape for k, v in get_model_state_dict(t.model).items()}
+        check_model_keys(expected, dcp_model_shapes(metadata, _MODEL_PREFIX), f"checkpoint {path}")
+        groups = _param_groups_from_json(extra["optimizer_param_groups"])
+        app = _ModelAndOptimizer(t.model, t.optimizer, param_groups_to_load=groups)
         try:
-            dcp.load({"app": _ModelAndOptimizer(t.model, t.optimizer)}, checkpoint_id=str(path))
-        except Exception as e:
-            raise UserError(f"checkpoint {path} cannot be loaded: {_first_line(e)}") from None
+            dcp.load({"app": app}, storage_reader=SafeFileSystemReader(str(path)))
+            t.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            t.dataloader.load_state_dict(extra["dataloader"])
+        except UserError:
+            raise
+        except (Exception, CheckpointException) as e:
+            raise UserError(f"checkpoint {path} cannot be loaded: {describe_error(e)}") from None
         t.state.load_state_dict(extra["train_state"])
-        t.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        t.dataloader.load_state_dict(extra["dataloader"])
         rng_file = path / "rng" / f"rank-{t.dist.rank}.safetensors"
+        # A rank that did not exist when the checkpoint was written (larger world) keeps its seed.
         if rng_file.is_file():
-            rng = load_file(str(rng_file))
+            try:
+                rng = load_file(str(rng_file))
+            except Exception as e:
+                raise UserError(f"checkpoint {rng_file} is unreadable: {describe_error(e)}") from None
             torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
+            if "cuda" in rng and t.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], t.device)
 
     def load_initial_weights(self) -> None:
         """Model weights only (no optimizer state) from dcp / hf / meta / torch files."""
-        from trainer.weights_io import load_dcp_model, load_full_state_dict
+        from trainer.weights import load_dcp_model, load_full_state_dict
 
         t = self.trainer
         fmt, path = self.cfg.initial_load_format, self.cfg.initial_load_path
@@ -247,14 +309,21 @@ class CheckpointManager:
         if fmt == "dcp":
             load_dcp_model(t.model, path)
         else:
+            # Rank 0 reads the full weights and broadcasts them; a problem found there must
+            # stop every rank, so it travels with the shapes.
             full_sd: dict[str, torch.Tensor] = {}
-            shapes: dict[str, torch.Size] = {}
+            box: list[Any] = [None]
             if t.is_main:
-                full_sd = load_full_state_dict(path, fmt)
-                shapes = {k: v.shape for k, v in full_sd.items()}
-            box = [shapes]
+                try:
+                    full_sd = load_full_state_dict(path, fmt, t.model_args)
+                    box = [{k: v.shape for k, v in full_sd.items()}]
+                except UserError as e:
+                    box = [str(e)]
             dist.broadcast_object_list(box, src=0)
-            _check_model_shapes(t.model, box[0], f"checkpoint.initial_load_path {path}")
+            if isinstance(box[0], str):
+                raise UserError(box[0])
+            expected = {k: v.shape for k, v in get_model_state_dict(t.model).items()}
+            check_model_keys(expected, box[0], f"checkpoint.initial_load_path {path}")
             set_model_state_dict(
                 t.model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             )
@@ -264,13 +333,16 @@ class CheckpointManager:
     # -- export --------------------------------------------------------------
 
     def maybe_export_final(self) -> None:
-        """Model-only safetensors export in checkpoint.export_dtype, for inference and SFT."""
-        if not self.cfg.export_final:
-            return
+        """Model-only safetensors export in checkpoint.export_dtype, for inference and SFT.
+
+        Only a run that reached training.steps exports; a run stopped early has no final model.
+        """
         t = self.trainer
+        if not self.cfg.export_final or t.state.step < t.cfg.training.steps:
+            return
         sd = get_model_state_dict(t.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if t.is_main:
-            from trainer.weights_io import export_model
+            from trainer.weights import export_model
 
             out = self.folder / "final"
             export_model(sd, t.model_args, out, _DTYPES[self.cfg.export_dtype])

@@ -130,24 +130,24 @@ def _tb_tag(key: str) -> str:
     return f"{_TB_GROUPS.get(key, 'other')}/{key}"
 
 
-def _dashboard_layout() -> Any:
-    from tensorboard.compat.proto import layout_pb2
+def _dashboard_layout() -> dict[str, dict[str, list[Any]]]:
+    """Custom-scalars layout in SummaryWriter.add_custom_scalars' dict form; tags are regexes."""
 
-    def chart(title: str, tags: list[str]) -> Any:
-        return layout_pb2.Chart(title=title, multiline=layout_pb2.MultilineChartContent(tag=tags))
+    def chart(*tags: str) -> list[Any]:
+        return ["Multiline", list(tags)]
 
-    return layout_pb2.Layout(category=[
-        layout_pb2.Category(title="throughput (all runs)", chart=[
-            chart("tokens/s per GPU", [r"throughput/tps"]),
-            chart("achieved TFLOP/s per GPU", [r"throughput/tflops"]),
-            chart("MFU % (vs bf16 dense peak)", [r"throughput/mfu_pct"]),
-        ]),
-        layout_pb2.Category(title="memory", chart=[chart("peak GiB", [r"memory/.*"])]),
-        layout_pb2.Category(title="training", chart=[
-            chart("loss", [r"loss/loss"]), chart("grad norm", [r"loss/grad_norm"]), chart("lr", [r"loss/lr"]),
-        ]),
-        layout_pb2.Category(title="time", chart=[chart("seconds per step", [r"time/.*"])]),
-    ])
+    return {
+        "throughput (all runs)": {
+            "tokens/s per GPU": chart(r"throughput/tps"),
+            "achieved TFLOP/s per GPU": chart(r"throughput/tflops"),
+            "MFU % (vs bf16 dense peak)": chart(r"throughput/mfu_pct"),
+        },
+        "memory": {"peak GiB": chart(r"memory/.*")},
+        "training": {
+            "loss": chart(r"loss/loss"), "grad norm": chart(r"loss/grad_norm"), "lr": chart(r"loss/lr"),
+        },
+        "time": {"seconds per step": chart(r"time/.*")},
+    }
 
 
 class StepTimer:

@@ -52,6 +52,6 @@ def print_plan(cfg: Config) -> None:
     if report is not None:
         lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
-    for note in advise(cfg, device, report, tp):
+    for note in advise(cfg, device, report, dp, tp):
         lines.append(f"  warning: {note}")
     print("\n".join(lines), flush=True)

@@ -225,7 +225,7 @@ class Trainer:
             dump.mkdir(parents=True, exist_ok=True)
             (dump / "config.toml").write_text(to_toml(cfg))
             self._startup_summary()
-            for message in advise(cfg, self.device, self.float8_report, self.tp):
+            for message in advise(cfg, self.device, self.float8_report, self.dp, self.tp):
                 warn(message)
         resumed = self.checkpointer.load_latest()
         if resumed and self.is_main:

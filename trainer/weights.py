@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -140,12 +141,16 @@ def load_dcp_model(model: nn.Module, path: str | Path, what: str = "checkpoint.i
     prefix = _model_prefix(metadata, state)
     stored = dcp_model_shapes(metadata, prefix)
     check_model_keys({k: v.shape for k, v in state.items()}, stored, f"{what} {path}")
+    single = not torch.distributed.is_initialized()
     try:
-        dcp.load(
-            {prefix + k: v for k, v in state.items()},
-            storage_reader=SafeFileSystemReader(str(path)),
-            no_dist=not torch.distributed.is_initialized(),
-        )
+        with warnings.catch_warnings():
+            # DCP warns that it "assumes" a single process; here that is the point.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                {prefix + k: v for k, v in state.items()},
+                storage_reader=SafeFileSystemReader(str(path)),
+                no_dist=single,
+            )
     except (Exception, CheckpointException) as e:
         raise UserError(f"{what} {path} cannot be loaded: {describe_error(e)}") from None
     set_model_state_dict(model, state)
