@@ -1,0 +1,93 @@
+"""Swap eligible nn.Linear modules for Float8Linear, in place, and report what happened."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from float8.config import Float8Config
+from float8.linear import Float8Linear
+
+# cuBLAS float8 GEMMs need both weight dims to be multiples of 16.
+_ALIGN = 16
+
+
+@dataclass
+class Float8ConversionReport:
+    converted: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        text = f"{len(self.converted)} converted"
+        if self.converted:
+            text += f" ({_names(self.converted)})"
+        if self.skipped:
+            text += f"; {len(self.skipped)} skipped: {_by_reason(self.skipped)}"
+        return text
+
+
+def _names(fqns: list[str]) -> str:
+    """Collapse repeated layers by leaf name: "wq, wk x32", or "output, w1 x4" when counts differ."""
+    groups: dict[str, list[str]] = {}
+    for fqn in fqns:
+        groups.setdefault(fqn.rsplit(".", 1)[-1], []).append(fqn)
+    counts = {len(g) for g in groups.values()}
+    if len(counts) == 1 and (n := counts.pop()) > 1:
+        return ", ".join(groups) + f" x{n}"
+    return ", ".join(g[0] if len(g) == 1 else f"{leaf} x{len(g)}" for leaf, g in groups.items())
+
+
+def _by_reason(items: list[tuple[str, str]]) -> str:
+    by_reason: dict[str, list[str]] = {}
+    for fqn, why in items:
+        by_reason.setdefault(why, []).append(fqn)
+    return "; ".join(_names(fqns) + (f" ({why})" if why else "") for why, fqns in by_reason.items())
+
+
+def _skip_reason(
+    fqn: str, linear: nn.Linear, config: Float8Config, module_filter_fn: Callable | None
+) -> str | None:
+    if any(f in fqn for f in config.filter_fqns):
+        return "filtered by filter_fqns"
+    for dim in ("in_features", "out_features"):
+        size = getattr(linear, dim)
+        if size % _ALIGN:
+            return f"{dim} {size} not divisible by {_ALIGN}"
+    if min(linear.in_features, linear.out_features) < config.min_features:
+        return "smaller than min_features"
+    if module_filter_fn is not None and not module_filter_fn(linear, fqn):
+        return "rejected by module_filter_fn"
+    return None
+
+
+def convert_to_float8_training(
+    model: nn.Module,
+    config: Float8Config | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> Float8ConversionReport:
+    """Replace eligible `nn.Linear`s in `model` by `Float8Linear`s sharing their parameters.
+
+    Works on any device including `meta` (nothing is allocated or copied). Call it
+    before tensor parallelism, compile and FSDP. `module_filter_fn(module, fqn)`
+    returning False keeps that linear in high precision.
+    """
+    config = config or Float8Config()
+    if isinstance(model, nn.Linear):
+        raise ValueError("convert_to_float8_training swaps submodules in place: pass the module that holds the linear")
+    report = Float8ConversionReport()
+    for parent_fqn, parent in list(model.named_modules()):
+        if isinstance(parent, Float8Linear):
+            continue
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or isinstance(child, Float8Linear):
+                continue
+            fqn = f"{parent_fqn}.{name}" if parent_fqn else name
+            reason = _skip_reason(fqn, child, config, module_filter_fn)
+            if reason is None:
+                setattr(parent, name, Float8Linear.from_float(child, config))
+                report.converted.append(fqn)
+            else:
+                report.skipped.append((fqn, reason))
+    return report

@@ -1,0 +1,240 @@
+"""FSDP2 float8 all-gather of Float8Linear weights (tensorwise scaling).
+
+Lifecycle of a weight with `fsdp_float8_all_gather=True`::
+
+    Float8Linear.weight = Parameter(Float8TrainingWeight(hp))        # convert
+    fully_shard -> DTensor(local=Float8TrainingWeight(hp shard))     # what the optimizer steps
+    pre-forward all-gather:
+        fsdp_pre_all_gather   cast the shard to e4m3 with the weight's scale (precomputed
+                              after the optimizer step, else one amax all-reduce here),
+                              hand FSDP its bytes as uint8 (gloo has no float8)
+        fsdp_post_all_gather  wrap the gathered bytes and the scale in a Float8GatheredWeight
+    Float8Linear forward uses that data and scale directly: no cast of the weight.
+
+The two subclasses unwrap to plain tensors for every other op, so optimizers,
+initialisation, `to_empty` and state dicts see ordinary high-precision values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from float8.scaling import E4M3, amax_to_scale, cast_with_scale
+
+# Ops that must keep the wrapper so FSDP's sharding, padding, copies and
+# `to_empty` produce Float8TrainingWeight shards; all other ops return plain tensors.
+_PRESERVE = {
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_empty.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._pin_memory.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default,
+}
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    # An FSDP shard can be empty (more ranks than rows); max() of nothing is an error.
+    return t.abs().max().float() if t.numel() else torch.zeros((), device=t.device)
+
+
+class Float8TrainingWeight(torch.Tensor):
+    """A high-precision weight (or shard) that FSDP2 all-gathers as float8."""
+
+    _tensor: torch.Tensor
+    _precomputed_scale: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None):
+        self._tensor = tensor
+        self._precomputed_scale = precomputed_scale
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return cls(args[0]._tensor, args[0]._precomputed_scale)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _PRESERVE:
+            return out
+        return pytree.tree_map_only(torch.Tensor, cls, out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return Float8TrainingWeight(inner_tensors["_tensor"])
+
+    def __repr__(self) -> str:
+        return f"Float8TrainingWeight({self._tensor})"
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh: Any,
+        outer_size: torch.Size | None = None,
+        outer_stride: tuple[int, ...] | None = None,
+        module: nn.Module | None = None,
+        mp_policy: Any = None,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        # Defaults make both FSDP call conventions work: (mesh) and
+        # (mesh, outer_size, outer_stride, module, mp_policy).
+        scale = self._precomputed_scale
+        if scale is None:
+            amax = _amax(self._tensor)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            scale = amax_to_scale(amax, E4M3)
+        data = cast_with_scale(self._tensor, scale, E4M3)
+        if outer_size is not None and mesh.ndim == 1:
+            # Uneven sharding: FSDP wants every rank's input at the padded shard size.
+            pad_rows = -(-outer_size[0] // mesh.size()) - data.shape[0]
+            if pad_rows > 0:
+                data = torch.cat([data.view(torch.uint8), data.new_zeros(pad_rows, *data.shape[1:], dtype=torch.uint8)]).view(E4M3)
+        # uint8: same bytes, and every backend (gloo included) can all-gather it.
+        return (data.view(torch.uint8),), (scale,)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ):
+        (data,) = all_gather_outputs
+        (scale,) = metadata
+        if out is not None:
+            # Later all-gathers refill the same storage in place; only the scale is new.
+            inner = out._local_tensor if isinstance(out, DTensor) else out
+            inner._scale = scale
+            return None
+        data = data.view(E4M3)
+        return Float8GatheredWeight(data, scale, param_dtype), (data,)
+
+
+# Views of gathered float8 data (FSDP's as_strided, Parameter's detach, compile's aliases).
+_GATHERED_VIEWS = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.slice.Tensor,
+}
+
+
+class Float8GatheredWeight(torch.Tensor):
+    """An all-gathered float8 weight: e4m3 data, its fp32 scale, and the dtype it stands for.
+
+    Float8Linear reads `_data` and `_scale` directly. Any other op sees the
+    dequantized values, so the tensor still behaves like the weight it replaces.
+    """
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=False,
+        )
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self._data = data
+        self._scale = scale
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GATHERED_VIEWS:
+            w = args[0]
+            return cls(func(w._data, *args[1:], **kwargs), w._scale, w.dtype)
+        args, kwargs = pytree.tree_map_only(
+            cls, lambda t: (t._data.float() / t._scale).to(t.dtype), (args, kwargs)
+        )
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, dtype, outer_size, outer_stride):
+        return Float8GatheredWeight(inner_tensors["_data"], inner_tensors["_scale"], dtype)
+
+    def __repr__(self) -> str:
+        return f"Float8GatheredWeight(dtype={self.dtype}, shape={tuple(self.shape)}, scale={self._scale})"
+
+
+def plain_weight(t: torch.Tensor) -> torch.Tensor:
+    """`t` with any Float8TrainingWeight wrapper removed (inside DTensors too)."""
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8TrainingWeight):
+        return DTensor.from_local(
+            t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
+            shape=t.shape, stride=t.stride(),
+        )
+    if isinstance(t, Float8TrainingWeight):
+        return t._tensor
+    return t
+
+
+@torch.no_grad()
+def precompute_float8_scales_for_fsdp(model: nn.Module) -> None:
+    """Compute the float8 scales of all FSDP-sharded float8 weights with one all-reduce.
+
+    Call after every `optimizer.step()` when `fsdp_float8_all_gather` is on; the next
+    all-gathers then skip their per-weight amax all-reduce.
+    """
+    weights = [
+        p for p in model.parameters()
+        if isinstance(p, DTensor) and isinstance(p._local_tensor, Float8TrainingWeight)
+    ]
+    if not weights:
+        return
+    by_mesh: dict[Any, list[DTensor]] = {}
+    for w in weights:
+        by_mesh.setdefault(w.device_mesh, []).append(w)
+    for mesh, group in by_mesh.items():
+        shards = [w._local_tensor._tensor for w in group]
+        nonempty = [s for s in shards if s.numel()]
+        norms = iter(torch._foreach_norm(nonempty, ord=math.inf)) if nonempty else iter(())
+        amax = torch.stack([
+            next(norms).float() if s.numel() else torch.zeros((), device=s.device) for s in shards
+        ])
+        # A scale shared across every mesh dim is also valid for the FSDP dim alone.
+        for dim in range(mesh.ndim):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for w, scale in zip(group, amax_to_scale(amax, E4M3).unbind()):
+            w._local_tensor._precomputed_scale = scale

@@ -1,0 +1,247 @@
+"""Float8Linear: nn.Linear whose three GEMMs run in float8 via torch._scaled_mm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from float8.config import Float8Config
+from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight, plain_weight
+from float8.scaling import (
+    E4M3,
+    E5M2,
+    cast_colwise_t,
+    cast_rowwise,
+    cast_tensorwise,
+    cast_tensorwise_t,
+)
+
+
+def _scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    rowwise: bool,
+    emulate: bool,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """a @ b for float8 `a` (row-major) and `b` (column-major), undoing their scales.
+
+    Scales are the multipliers the casts applied; `_scaled_mm` wants their inverses.
+    """
+    a_inv, b_inv = a_scale.reciprocal(), b_scale.reciprocal()
+    # cuBLAS rowwise-scaled float8 GEMMs only write bf16.
+    gemm_dtype = torch.bfloat16 if rowwise else out_dtype
+    if emulate:
+        out = torch.mm(a.to(torch.float32), b.to(torch.float32)) * a_inv * b_inv
+    else:
+        out = torch._scaled_mm(
+            a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=gemm_dtype, use_fast_accum=fast_accum
+        )
+    return out.to(gemm_dtype).to(out_dtype)
+
+
+def _pad_inner(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad the contraction dim (tokens, for the weight gradient) to a multiple of 16.
+
+    cuBLAS float8 GEMMs need it; zero rows add nothing to the product.
+    """
+    pad = -a.shape[1] % 16
+    if pad == 0:
+        return a, b
+    # float8 has no pad kernel on every backend; the same zero bytes as uint8 do.
+    a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
+    b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
+    return a, b
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """out = x @ w.T with x (M, K), w (N, K); backward grad_x = g @ w, grad_w = g.T @ x.
+
+    Every GEMM gets its first operand row-major and its second column-major, as
+    cuBLAS float8 GEMMs require. Saved for backward: float8 copies of x (1 byte per
+    element instead of 2) where the scaling allows, and w itself, which is a
+    parameter (kept anyway, and freed/re-gathered by FSDP) rather than a float8
+    copy that would hold 1 byte per parameter of every layer until backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, scaling: str, emulate: bool) -> torch.Tensor:
+        ctx.scaling, ctx.emulate = scaling, emulate
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        # Casts keep their input's strides; the GEMM needs x row-major with no row gaps.
+        x = x.contiguous()
+        if scaling == "tensorwise":
+            x_f8, x_s = cast_tensorwise(x, E4M3)
+            if isinstance(w, Float8GatheredWeight):
+                # FSDP already all-gathered the weight in float8 with its scale.
+                w_f8, w_s = w._data, w._scale
+                ctx.gathered = True
+                ctx.save_for_backward(x_f8, x_s, w_f8, w_s)
+            else:
+                w_f8, w_s = cast_tensorwise(w, E4M3)
+                ctx.gathered = False
+                ctx.save_for_backward(x_f8, x_s, w, w_s)
+            return _scaled_mm(x_f8, w_f8.t(), x_s, w_s, x.dtype, False, emulate, fast_accum=True)
+
+        x_f8, x_s = cast_rowwise(x, -1, E4M3)
+        w_f8, w_s = cast_rowwise(w, -1, E4M3)
+        out = _scaled_mm(x_f8, w_f8.t(), x_s, w_s.t(), x.dtype, True, emulate, fast_accum=True)
+        if scaling == "rowwise":
+            # Keep x already cast for the weight gradient (scales along tokens), 1 byte
+            # per element, instead of the 2-byte x and a second cast in backward.
+            xt_f8, xt_s = cast_colwise_t(x, E4M3)
+            ctx.save_for_backward(xt_f8, xt_s, w)
+        else:
+            ctx.save_for_backward(x, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        scaling, emulate = ctx.scaling, ctx.emulate
+        g = g.contiguous()
+        if scaling == "tensorwise":
+            x_f8, x_s, w_saved, w_s = ctx.saved_tensors
+            g_f8, g_s = cast_tensorwise(g, E5M2)
+            grad_x = grad_w = None
+            if ctx.needs_input_grad[0]:
+                if ctx.gathered:
+                    w_t = w_saved.t().contiguous()
+                else:
+                    w_t = cast_tensorwise_t(w_saved, w_s, E4M3)
+                grad_x = _scaled_mm(g_f8, w_t.t(), g_s, w_s, ctx.x_dtype, False, emulate)
+            if ctx.needs_input_grad[1]:
+                a, b = _pad_inner(g_f8.t().contiguous(), x_f8.t().contiguous().t())
+                grad_w = _scaled_mm(a, b, g_s, x_s, ctx.w_dtype, False, emulate)
+            return grad_x, grad_w, None, None
+
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            g_f8, g_s = cast_rowwise(g, -1, E4M3)
+            wt_f8, wt_s = cast_colwise_t(ctx.saved_tensors[-1], E4M3)
+            grad_x = _scaled_mm(g_f8, wt_f8.t(), g_s, wt_s.t(), ctx.x_dtype, True, emulate)
+        if not ctx.needs_input_grad[1]:
+            grad_w = None
+        elif scaling == "rowwise":
+            xt_f8, xt_s, _ = ctx.saved_tensors
+            gt_f8, gt_s = cast_colwise_t(g, E4M3)
+            a, b = _pad_inner(gt_f8, xt_f8.t())
+            grad_w = _scaled_mm(a, b, gt_s, xt_s.t(), ctx.w_dtype, True, emulate)
+        else:
+            x, _ = ctx.saved_tensors
+            grad_w = torch.mm(g.t(), x.to(g.dtype)).to(ctx.w_dtype)
+        return grad_x, grad_w, None, None
+
+
+def float8_mm(x: torch.Tensor, w: torch.Tensor, config: Float8Config) -> torch.Tensor:
+    """x (..., K) @ w.T for local (non-DTensor) tensors, in float8; output dtype = x dtype.
+
+    Under autocast, x is cast to the autocast dtype and w goes straight from its
+    stored precision to float8 (no intermediate bf16 rounding).
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        x = x.to(torch.get_autocast_dtype(device_type))
+    x2d = x.reshape(-1, x.shape[-1])
+    with torch.autocast(device_type, enabled=False):
+        out = _Float8Matmul.apply(x2d, w, config.scaling, config.emulate)
+    # Not a view (like F.linear's 3-D output): FSDP warns about modules returning views.
+    return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    # Checkpoints hold ordinary tensors/DTensors, loadable without this package.
+    key = prefix + "weight"
+    state_dict[key] = plain_weight(state_dict[key])
+
+
+def _norm_dim(p, ndim: int) -> int | None:
+    return p.dim % ndim if isinstance(p, Shard) else None
+
+
+class Float8Linear(nn.Linear):
+    """A drop-in nn.Linear (same parameters and state dict) whose GEMMs run in float8.
+
+    DTensor (tensor-parallel) weights are handled here, at the module boundary: the
+    float8 math runs on local shards with local scales, which is exact for the
+    shardings TP uses because every rank's GEMM is self-contained.
+    """
+
+    def __init__(self, *args, config: Float8Config | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = config or Float8Config()
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, config: Float8Config | None = None) -> Float8Linear:
+        """Wrap `linear`'s own parameters (no copy, works on meta) in a Float8Linear."""
+        config = config or Float8Config()
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        if config.fsdp_float8_all_gather:
+            new.weight = nn.Parameter(
+                Float8TrainingWeight(linear.weight.data), requires_grad=linear.weight.requires_grad
+            )
+            new._register_state_dict_hook(_plain_weight_in_state_dict)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor) or isinstance(x, DTensor):
+            return self._forward_dtensor(x)
+        out = float8_mm(x, self.weight, self.config)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def _forward_dtensor(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not isinstance(w, DTensor):
+            raise NotImplementedError("Float8Linear: DTensor input needs a DTensor weight")
+        mesh = w.device_mesh
+        if mesh.ndim != 1:
+            raise NotImplementedError(f"Float8Linear: weight on a {mesh.ndim}-D mesh (only 1-D TP)")
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        wp, xp = w.placements[0], x.placements[0]
+        ndim = x.ndim
+        if _norm_dim(wp, 2) == 0:
+            # Colwise: replicated input, output sharded on features; grad_x is a partial sum.
+            if not xp.is_replicate():
+                x = x.redistribute(placements=(Replicate(),))
+            x_local = x.to_local(grad_placements=(Partial(),))
+            out_p = Shard(ndim - 1)
+        elif _norm_dim(wp, 2) == 1:
+            # Rowwise: input sharded on features, output a partial sum.
+            if _norm_dim(xp, ndim) != ndim - 1:
+                x = x.redistribute(placements=(Shard(ndim - 1),))
+            x_local = x.to_local()
+            out_p = Partial()
+        elif wp.is_replicate():
+            if xp.is_partial() or _norm_dim(xp, ndim) == ndim - 1:
+                x = x.redistribute(placements=(Replicate(),))
+                xp = x.placements[0]
+            x_local = x.to_local()
+            out_p = xp
+        else:
+            raise NotImplementedError(f"Float8Linear: weight placement {wp}")
+        # A replicated weight (or bias) used with a sharded input gets partial-sum grads.
+        grad_p = (Partial(),) if wp.is_replicate() and not xp.is_replicate() else None
+        out = float8_mm(x_local, w.to_local(grad_placements=grad_p), self.config)
+        bias = self.bias
+        if bias is not None and not out_p.is_partial():
+            b = bias.to_local(grad_placements=grad_p) if isinstance(bias, DTensor) else bias
+            out = out + b.to(out.dtype)
+        out = DTensor.from_local(out, mesh, (out_p,), run_check=False)
+        if bias is not None and out_p.is_partial():
+            out = out + bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scaling={self.config.scaling}" + (
+            ", emulate=True" if self.config.emulate else ""
+        )

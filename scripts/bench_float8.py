@@ -1,0 +1,316 @@
+"""Benchmark float8 training linears against bf16 on one GPU.
+
+Times forward + backward of
+  (a) each LLaMA-2-7B linear shape at M = 8192 tokens, and
+  (b) a stack of 4 LLaMA-2-7B transformer blocks (batch 2 x seq 4096),
+for bf16 and every float8 scaling, eager and compiled (each block compiled
+with fullgraph=True, as the trainer does). Prints a table last and writes JSON.
+
+    python scripts/bench_float8.py --out bench_float8.json          # ~5 min on an H200
+    python scripts/bench_float8.py --quick --only blocks --profile
+    python scripts/bench_float8.py --smoke                           # CPU, tiny shapes: does it run?
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from float8 import Float8Config, convert_to_float8_training
+from models.llama import LLAMA2_FLAVORS, TransformerBlock
+from models.llama.model import precompute_rope
+
+MODES = ("bf16", "tensorwise", "rowwise", "rowwise_gw_hp")
+VARIANTS = ("eager", "compiled")
+# LLaMA-2-7B linears as (in_features, out_features): wq/wk/wv/wo, w1/w3, w2, output.
+LINEAR_SHAPES_7B = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 32000)]
+TARGETS = {  # (section, variant, mode) -> minimum speedup over bf16 on an H200
+    ("blocks", "compiled", "tensorwise"): 1.43,
+    ("blocks", "compiled", "rowwise"): 1.25,
+    ("blocks", "eager", "tensorwise"): 1.0,
+}
+
+
+class Timer:
+    """Per-iteration wall time: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def time(self, step: Callable[[], None], before: Callable[[], None], warmup: int, iters: int) -> list[float]:
+        for _ in range(warmup):
+            before()
+            step()
+        self.sync()
+        times = []
+        for _ in range(iters):
+            before()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                step()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return times
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def convert(module: nn.Module, mode: str) -> nn.Module:
+    if mode != "bf16":
+        convert_to_float8_training(module, config=Float8Config(scaling=mode))
+    return module
+
+
+def reset_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def bench_linear(in_f: int, out_f: int, tokens: int, mode: str, variant: str, device, timer, warmup, iters) -> dict:
+    torch.manual_seed(0)
+    holder = nn.Sequential(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16))
+    convert(holder, mode)
+    forward = holder
+    if variant == "compiled":
+        # A function of ours (dynamo skips torch's own nn.Linear frames); static shapes so
+        # every linear shape gets its own specialised kernels.
+        forward = torch.compile(lambda t: holder(t), fullgraph=True, dynamic=False)
+    x = torch.randn(tokens, in_f, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, out_f, device=device, dtype=torch.bfloat16)
+
+    def before():
+        holder.zero_grad(set_to_none=True)
+        x.grad = None
+
+    def step():
+        forward(x).backward(grad)
+
+    reset_memory(device)
+    times = timer.time(step, before, warmup, iters)
+    ms = statistics.median(times)
+    return {
+        "section": "linears", "name": f"{in_f}->{out_f} M={tokens}", "mode": mode, "variant": variant,
+        "ms": ms, "tflops": 6 * tokens * in_f * out_f / (ms * 1e-3) / 1e12, "tokens_per_s": tokens / (ms * 1e-3),
+        "peak_gib": peak_gib(device),
+    }
+
+
+def build_blocks(args, n_blocks: int, mode: str, variant: str, device) -> nn.ModuleList:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        blocks = nn.ModuleList(TransformerBlock(i, args) for i in range(n_blocks))
+    convert(blocks, mode)
+    blocks.to_empty(device=device)
+    blocks.to(torch.bfloat16)
+    with torch.no_grad():
+        for block in blocks:
+            block.init_weights()
+    if variant == "compiled":
+        for block in blocks:
+            block.compile(fullgraph=True, dynamic=False)
+    return blocks
+
+
+def block_flops(args, n_blocks: int, batch: int, seq: int) -> float:
+    """Training FLOPs per step as DESIGN.md counts them: 6 * params * tokens + 12 * L * dim * seq * tokens."""
+    with torch.device("meta"):
+        params = sum(p.numel() for p in TransformerBlock(0, args).parameters()) * n_blocks
+    tokens = batch * seq
+    return 6 * params * tokens + 12 * n_blocks * args.dim * seq * tokens
+
+
+def bench_blocks(args, n_blocks, batch, seq, mode, variant, device, timer, warmup, iters, profile) -> dict:
+    blocks = build_blocks(args, n_blocks, mode, variant, device)
+    rope = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)[:seq].to(device)
+    x = torch.randn(batch, seq, args.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def before():
+        blocks.zero_grad(set_to_none=True)
+        x.grad = None
+
+    def step():
+        h = x
+        for block in blocks:
+            h = block(h, rope, None)
+        h.backward(grad)
+
+    reset_memory(device)
+    times = timer.time(step, before, warmup, iters)
+    ms = statistics.median(times)
+    row = {
+        "section": "blocks", "name": f"{n_blocks} blocks dim={args.dim} b={batch} s={seq}",
+        "mode": mode, "variant": variant, "ms": ms,
+        "tflops": block_flops(args, n_blocks, batch, seq) / (ms * 1e-3) / 1e12,
+        "tokens_per_s": batch * seq / (ms * 1e-3), "peak_gib": peak_gib(device),
+    }
+    if profile and variant == "compiled":
+        before()
+        row["profile"] = profile_step(step, device)
+    return row
+
+
+def classify(kernel: str) -> str:
+    k = kernel.lower()
+    if any(s in k for s in ("flash", "attention", "fmha", "sdpa", "attn")):
+        return "attention"
+    if any(s in k for s in ("gemm", "cutlass", "cublas", "nvjet", "xmma", "scaled_mm", "matmul", "_mm", "::mm", "addmm")):
+        return "gemm"
+    if any(s in k for s in ("abs", "amax", "clamp", "float8", "fp8", "reciprocal")):
+        return "casts/amax"
+    return "norms/elementwise"
+
+
+def profile_step(step: Callable[[], None], device) -> dict[str, float]:
+    """Device time (ms) of one step, by kernel category."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if device.type == "cuda" and evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cpu_time_total", 0)
+        if us:
+            cat = classify(evt.key)
+            totals[cat] = totals.get(cat, 0.0) + us / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def add_speedups(rows: list[dict]) -> None:
+    base = {(r["section"], r["name"], r["variant"]): r["ms"] for r in rows if r["mode"] == "bf16"}
+    for r in rows:
+        ref = base.get((r["section"], r["name"], r["variant"]))
+        r["speedup"] = ref / r["ms"] if ref else None
+
+
+def target_checks(rows: list[dict]) -> list[str]:
+    checks = []
+    for r in rows:
+        target = TARGETS.get((r["section"], r["variant"], r["mode"]))
+        if target and r["speedup"]:
+            checks.append(f"{r['section']} {r['variant']} {r['mode']}: {r['speedup']:.2f}x bf16 (target >= {target:.2f}x)")
+    bf16_peak = {r["variant"]: r["peak_gib"] for r in rows if r["section"] == "blocks" and r["mode"] == "bf16"}
+    for r in rows:
+        ref = bf16_peak.get(r["variant"])
+        if r["section"] == "blocks" and r["mode"] != "bf16" and r["peak_gib"] and ref:
+            checks.append(
+                f"blocks {r['variant']} {r['mode']} peak memory: {r['peak_gib'] / ref:.2f}x bf16 (target <= 0.85x)"
+            )
+    return checks
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (
+        f"{'section':8} {'shape':32} {'mode':14} {'variant':9} {'ms':>9} {'TFLOP/s':>8} "
+        f"{'tokens/s':>11} {'vs bf16':>8} {'peak GiB':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        print(
+            f"{r['section']:8} {r['name']:32} {r['mode']:14} {r['variant']:9} {r['ms']:9.2f} "
+            f"{r['tflops']:8.1f} {r['tokens_per_s']:11.0f} {speedup:>8} {peak:>9}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("linears", "blocks"), help="run one section")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="eager,compiled or one of them")
+    parser.add_argument("--quick", action="store_true", help="fewer timed iterations")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script runs)")
+    parser.add_argument("--profile", action="store_true", help="per-category kernel times of one compiled-block step")
+    parser.add_argument("--out", default="bench_float8.json", help="JSON results file")
+    opts = parser.parse_args()
+    modes = opts.modes.split(",")
+    variants = opts.variants.split(",")
+    for m in modes:
+        if m not in MODES:
+            parser.error(f"--modes: unknown mode {m!r}; choose from {MODES}")
+    for v in variants:
+        if v not in VARIANTS:
+            parser.error(f"--variants: unknown variant {v!r}; choose from {VARIANTS}")
+
+    if opts.smoke:
+        device = torch.device("cpu")
+        args = dataclasses.replace(LLAMA2_FLAVORS["debug"], dim=64, n_heads=4, n_kv_heads=4, max_seq_len=64)
+        shapes, tokens, n_blocks, batch, seq = [(64, 64), (64, 176), (176, 64)], 64, 2, 2, 32
+        warmup, iters = 1, 2
+    else:
+        if not torch.cuda.is_available():
+            parser.error("needs a CUDA GPU with float8 GEMMs (H100/H200); use --smoke to test on CPU")
+        device = torch.device("cuda")
+        args = LLAMA2_FLAVORS["7B"]
+        shapes, tokens, n_blocks, batch, seq = LINEAR_SHAPES_7B, 8192, 4, 2, 4096
+        warmup, iters = (2, 5) if opts.quick else (3, 10)
+    timer = Timer(device)
+
+    rows: list[dict] = []
+    sections = [opts.only] if opts.only else ["linears", "blocks"]
+    for variant in variants:
+        for mode in modes:
+            torch._dynamo.reset()
+            if "linears" in sections:
+                for in_f, out_f in shapes:
+                    rows.append(bench_linear(in_f, out_f, tokens, mode, variant, device, timer, warmup + 2, iters * 2))
+                    print(f"  {rows[-1]['name']:24} {mode:14} {variant:9} {rows[-1]['ms']:8.2f} ms", flush=True)
+            if "blocks" in sections:
+                rows.append(bench_blocks(args, n_blocks, batch, seq, mode, variant, device, timer, warmup, iters, opts.profile))
+                print(f"  {rows[-1]['name']:24} {mode:14} {variant:9} {rows[-1]['ms']:8.2f} ms", flush=True)
+
+    add_speedups(rows)
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "command": " ".join(sys.argv),
+        "results": rows,
+    }
+    Path(opts.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {opts.out} ({result['device']}, torch {result['torch']})")
+    for r in rows:
+        if "profile" in r:
+            cats = "  ".join(f"{k} {v:.2f}" for k, v in r["profile"].items())
+            print(f"profile, one compiled blocks step, {r['mode']:14} (ms): {cats}")
+    for line in target_checks(rows):
+        print(line)
+    print()
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
