@@ -64,7 +64,8 @@ class DataSource:
             if data_format != "auto":
                 files = [f for f in files if _EXTENSIONS[os.path.splitext(f)[1]] == data_format]
             if not files:
-                raise UserError(f"data folder {path} has no {data_format} data files")
+                wanted = ", ".join(e for e, f in _EXTENSIONS.items() if data_format in ("auto", f))
+                raise UserError(f"data folder {path} has no data files ({wanted})")
             formats = {_EXTENSIONS[os.path.splitext(f)[1]] for f in files}
             if len(formats) > 1:
                 raise UserError(
@@ -225,7 +226,7 @@ class WindowDataset(IterableDataset):
             mine = []
             for k in range(group):
                 window, state = next(stream)
-                if lo <= k < hi:
+                if k < self.batch_size:
                     mine.append(window)
             self._state = {**state, "windows": self._state["windows"] + group}
             yield self.collate(mine)

@@ -105,6 +105,7 @@ def _selective_policy():
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
         # amax of float8 casts: recomputing would need the high-precision tensor anyway
         torch.ops.aten.max.default,
+        torch.ops.aten.amax.default,
     ]
     if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
         ops.append(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
