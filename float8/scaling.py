@@ -42,11 +42,22 @@ def _fused_in_eager(fn: F) -> F:
         nonlocal compiled
         if compile_casts_in_eager(x) and not torch.compiler.is_compiling():
             if compiled is None:
-                compiled = torch.compile(fn, fullgraph=True)
-            return compiled(x, *args)
+                _allow_cast_variants()
+                # dynamic: one kernel set serves every layer shape and token count.
+                compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+            # Parameters and plain tensors are distinct guard types; the cast needs no autograd.
+            return compiled(x.detach(), *args)
         return fn(x, *args)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _allow_cast_variants() -> None:
+    """Each cast compiles once per (float8 dtype, input dtype, layout): a handful of variants
+    that dynamo's default recompile limit (8 per function) can fall short of."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))
 
 
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:

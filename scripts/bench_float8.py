@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -280,16 +281,29 @@ def main() -> None:
     timer = Timer(device)
 
     rows: list[dict] = []
+    failures: list[str] = []
     sections = [opts.only] if opts.only else ["linears", "blocks"]
     for variant in variants:
         for mode in modes:
             torch._dynamo.reset()
+            cells: list[tuple[str, Callable[[], dict]]] = []
             if "linears" in sections:
-                for in_f, out_f in shapes:
-                    rows.append(bench_linear(in_f, out_f, tokens, mode, variant, device, timer, warmup + 2, iters * 2))
-                    print(f"  {rows[-1]['name']:24} {mode:14} {variant:9} {rows[-1]['ms']:8.2f} ms", flush=True)
+                cells += [
+                    (f"{i}->{o} M={tokens}", functools.partial(
+                        bench_linear, i, o, tokens, mode, variant, device, timer, warmup + 2, iters * 2))
+                    for i, o in shapes
+                ]
             if "blocks" in sections:
-                rows.append(bench_blocks(args, n_blocks, batch, seq, mode, variant, device, timer, warmup, iters, opts.profile))
+                cells.append((f"{n_blocks} blocks", functools.partial(
+                    bench_blocks, args, n_blocks, batch, seq, mode, variant, device, timer, warmup, iters,
+                    opts.profile)))
+            for name, cell in cells:
+                try:
+                    rows.append(cell())
+                except Exception as e:  # one failing cell must not lose the others' numbers
+                    failures.append(f"{name} {mode} {variant}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                    print(f"  FAILED {failures[-1]}", flush=True)
+                    continue
                 print(f"  {rows[-1]['name']:24} {mode:14} {variant:9} {rows[-1]['ms']:8.2f} ms", flush=True)
 
     add_speedups(rows)
@@ -299,6 +313,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "command": " ".join(sys.argv),
         "results": rows,
+        "failures": failures,
     }
     Path(opts.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {opts.out} ({result['device']}, torch {result['torch']})")
@@ -308,6 +323,8 @@ def main() -> None:
             print(f"profile, one compiled blocks step, {r['mode']:14} (ms): {cats}")
     for line in target_checks(rows):
         print(line)
+    for line in failures:
+        print(f"FAILED {line}")
     print()
     print_table(rows)
 

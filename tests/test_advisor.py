@@ -1,0 +1,141 @@
+"""trainer/advisor.py: every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.helpers import run_train
+from trainer import advisor
+from trainer.advisor import MIN_FLOAT8_TOKENS, advise
+from trainer.config import Config
+from trainer.errors import UserError
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda", 0)
+
+
+def _cfg(**float8: object) -> Config:
+    """float8 on, compiled, FSDP all-gather on: a config with nothing to warn about."""
+    cfg = Config()
+    cfg.float8.enabled = True
+    cfg.float8.fsdp_float8_all_gather = True
+    cfg.compile.mode = "block"
+    for key, value in float8.items():
+        setattr(cfg.float8, key, value)
+    return cfg
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend a CUDA device with the given capability exists; advise only asks capability and name."""
+
+    def install(capability: tuple[int, int], name: str) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+    return install
+
+
+def _only(notes: list[str], needle: str) -> str:
+    hits = [n for n in notes if needle in n]
+    assert len(hits) == 1, notes
+    return hits[0]
+
+
+def test_quiet_when_nothing_to_say():
+    assert advise(_cfg(), CPU) == []
+    bf16 = Config()  # float8 off: no float8 advice, whatever the other settings
+    bf16.compile.mode = "none"
+    assert advise(bf16, CPU) == []
+
+
+def test_float8_without_compile():
+    cfg = _cfg()
+    cfg.compile.mode = "none"
+    note = _only(advise(cfg, CPU), "compile.mode = 'none'")
+    assert "set compile.mode = 'block'" in note
+    for mode in ("block", "model"):
+        cfg.compile.mode = mode
+        assert not [n for n in advise(cfg, CPU) if "compile.mode" in n]
+
+
+def test_emulate():
+    note = _only(advise(_cfg(emulate=True), CPU), "float8.emulate = true")
+    assert "testing only" in note
+
+
+def test_gpu_without_float8_gemms_is_refused(fake_gpu):
+    fake_gpu((8, 0), "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(UserError) as e:
+        advise(_cfg(), CUDA)
+    message = str(e.value)
+    assert "NVIDIA A100-SXM4-80GB is sm_80" in message and "float8.emulate = true" in message
+    assert "\n" not in message
+    # emulate is the documented escape hatch: it warns instead of refusing
+    assert _only(advise(_cfg(emulate=True), CUDA), "float8.emulate = true")
+
+
+def test_float8_gpu_is_accepted(fake_gpu):
+    fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
+    cfg = _cfg()
+    cfg.training.batch_size, cfg.training.seq_len = 2, 4096
+    assert advise(cfg, CUDA) == []
+    assert advisor.float8_gemm_supported(CUDA)
+
+
+def test_tiny_gemms_on_gpu(fake_gpu):
+    fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
+    cfg = _cfg()
+    cfg.training.batch_size, cfg.training.seq_len = 1, 4096
+    note = _only(advise(cfg, CUDA), "tokens per GPU per micro-batch")
+    assert "= 4096 tokens" in note and str(MIN_FLOAT8_TOKENS) in note
+    cfg.training.batch_size = 2  # exactly the threshold: fine
+    assert advise(cfg, CUDA) == []
+    # tensor parallel splits the sequence, so the per-GPU GEMM shrinks again
+    assert _only(advise(cfg, CUDA, tp_degree=2), "= 4096 tokens")
+    cfg.training.batch_size = 1
+    assert not [n for n in advise(cfg, CPU) if "tokens per GPU" in n]  # CPU runs are tiny on purpose
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
+def test_fsdp_float8_all_gather_with_rowwise(scaling):
+    note = _only(advise(_cfg(scaling=scaling), CPU), "fsdp_float8_all_gather has no effect")
+    assert f"float8.scaling = '{scaling}'" in note
+    assert advise(_cfg(scaling=scaling, fsdp_float8_all_gather=False), CPU) == []
+
+
+def test_tensorwise_without_fsdp_float8_all_gather():
+    cfg = _cfg(fsdp_float8_all_gather=False)
+    note = _only(advise(cfg, CPU, dp_degree=2), "without float8.fsdp_float8_all_gather")
+    assert "set float8.fsdp_float8_all_gather = true" in note
+    assert advise(cfg, CPU, dp_degree=1) == []  # no FSDP sharding, nothing to all-gather
+
+
+def test_layers_skipped_by_size_but_not_by_filter():
+    skipped = [("output", "filtered by filter_fqns")] + [
+        (f"layers.{i}.attention.wk", "out_features 64 not divisible by 16") for i in range(6)
+    ]
+    note = _only(advise(_cfg(), CPU, SimpleNamespace(skipped=skipped)), "stay in high precision")
+    assert note.startswith("6 linear layers stay in high precision")
+    assert "layers.0.attention.wk (out_features 64 not divisible by 16)" in note
+    assert "layers.3.attention.wk" in note and "layers.4.attention.wk" not in note
+    assert note.endswith("and 2 more")
+    assert "output" not in note  # the user asked for that one
+    only_filtered = SimpleNamespace(skipped=[("output", "filtered by filter_fqns")])
+    assert advise(_cfg(), CPU, only_filtered) == []
+
+
+@pytest.mark.slow
+def test_warning_reaches_the_user(tmp_path):
+    result = run_train([
+        "--float8.enabled", "true", "--training.steps", "2", "--training.batch_size", "2",
+        "--training.seq_len", "64", "--job.dump_folder", str(tmp_path),
+    ])
+    assert result.returncode == 0, result.stderr
+    assert "warning: float8.enabled with compile.mode = 'none'" in result.stderr
+    assert "warning:" not in result.stdout  # warnings go to stderr only
+    # One process means no FSDP sharding: the all-gather advice would be noise here.
+    assert "fsdp_float8_all_gather" not in result.stderr

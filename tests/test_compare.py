@@ -1,0 +1,297 @@
+"""scripts/compare_throughput.py: pure table/speedup helpers, argument errors, and CPU runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+from trainer.config import build_config
+
+_spec = importlib.util.spec_from_file_location("compare_throughput", ROOT / "scripts" / "compare_throughput.py")
+ct = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ct  # dataclasses look their module up while the file executes
+_spec.loader.exec_module(ct)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Small enough that a compiled cell costs seconds, not minutes, on 2 cores.
+TINY = ["--training.batch_size", "2", "--training.seq_len", "64"]
+
+
+def _record(step: int, tps: float, loss: float = 5.0, mem: float = 1.0, mfu: float | None = None) -> dict:
+    return {
+        "step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tps": tps, "tflops": tps / 1000,
+        "mfu_pct": mfu, "step_time_s": 100 / tps, "data_time_s": 0.0,
+        "memory/peak_active_gib": mem, "memory/peak_reserved_gib": mem, "tokens_seen": step * 100,
+    }
+
+
+def _ok(precision: str, mode: str, tps: float) -> ct.CellResult:
+    return ct.CellResult(precision, mode, ok=True, tps=tps, tflops=tps / 1000, peak_memory_gib=1.0,
+                         first_step_s=2.0, final_loss=4.0, steps_measured=3)
+
+
+def _failed(precision: str, mode: str, reason: str = "RuntimeError: boom") -> ct.CellResult:
+    return ct.CellResult(precision, mode, reason=reason, returncode=1, wall_s=1.0, log=f"runs/{precision}-{mode}/log.txt")
+
+
+def _run_script(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "scripts/compare_throughput.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def test_summarize_drops_warmup_and_takes_medians():
+    # Step 1 is the compile step: slow, and must only show up in first_step_s.
+    records = [_record(1, 10.0, mem=3.0), _record(2, 50.0), _record(3, 100.0, mfu=40.0),
+               _record(4, 300.0, mfu=50.0), _record(5, 200.0, loss=2.5, mfu=45.0)]
+    s = ct.summarize(list(reversed(records)), warmup=2)
+    assert s["tps"] == 200.0 and s["tflops"] == pytest.approx(0.2)
+    assert s["mfu_pct"] == 45.0
+    assert s["peak_memory_gib"] == 3.0  # max over every step, warm-up included
+    assert s["first_step_s"] == pytest.approx(10.0)
+    assert s["final_loss"] == 2.5 and s["steps_measured"] == 3
+
+
+def test_summarize_mfu_null_on_cpu_and_no_steps_after_warmup():
+    assert ct.summarize([_record(1, 5.0), _record(2, 7.0)], warmup=1)["mfu_pct"] is None
+    with pytest.raises(ValueError, match="no steps after the 3 warm-up steps"):
+        ct.summarize([_record(1, 5.0), _record(2, 7.0)], warmup=3)
+
+
+def test_speedups_against_bf16_eager_and_same_compile():
+    results = [_ok("bf16", "none", 100.0), _ok("tensorwise", "none", 50.0), _ok("bf16", "block", 200.0),
+               _ok("tensorwise", "block", 300.0), _failed("rowwise", "block"), _ok("rowwise", "model", 120.0)]
+    ct.add_speedups(results)
+    by = {r.name: r for r in results}
+    assert by["bf16-none"].speedup_vs_bf16_eager == 1.0 == by["bf16-none"].speedup_vs_bf16_same_compile
+    assert by["tensorwise-none"].speedup_vs_bf16_eager == 0.5
+    assert by["tensorwise-block"].speedup_vs_bf16_eager == 3.0
+    assert by["tensorwise-block"].speedup_vs_bf16_same_compile == 1.5
+    assert by["rowwise-block"].speedup_vs_bf16_eager is None  # failed
+    assert by["rowwise-model"].speedup_vs_bf16_eager == 1.2
+    assert by["rowwise-model"].speedup_vs_bf16_same_compile is None  # no bf16-model cell
+
+
+def test_speedups_without_bf16_eager():
+    results = [_failed("bf16", "none"), _ok("bf16", "block", 200.0), _ok("rowwise", "block", 100.0)]
+    ct.add_speedups(results)
+    assert results[2].speedup_vs_bf16_eager is None
+    assert results[2].speedup_vs_bf16_same_compile == 0.5
+
+
+def test_table_rows_and_failures():
+    results = [_ok("bf16", "none", 1234.0), _ok("tensorwise", "none", 2468.0), _failed("rowwise", "none")]
+    ct.add_speedups(results)
+    table = ct.render_table(results)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3
+    assert lines[0].count("|") == lines[2].count("|") == lines[4].count("|") == 11
+    assert "| bf16 | none | 1,234 |" in table and "n/a" in lines[2]  # no MFU on CPU
+    assert "| 2.00x | 2.00x |" in lines[3]
+    assert lines[4].startswith("| rowwise | none | failed |")
+    failures = ct.render_failures(results)
+    assert "rowwise-none: RuntimeError: boom" in failures
+    assert ct.render_failures(results[:2]) == ""
+
+
+def test_markdown_has_table_failures_and_provenance():
+    results = [_ok("bf16", "none", 100.0), _failed("tensorwise", "none")]
+    ct.add_speedups(results)
+    env = {"python": "3.11", "torch": "2.13.0", "cuda": None, "gpu": None, "cpu": "Some CPU", "os": "Linux"}
+    info = {"command": "python scripts/compare_throughput.py --x", "date": "2025-01-01T00:00:00Z",
+            "nproc": 1, "steps": 6, "warmup": 3, "environment": env}
+    md = ct.render_markdown(results, info)
+    assert ct.render_table(results) in md
+    assert "tensorwise-none: RuntimeError: boom" in md
+    assert "steps 4-6 of 6" in md and "`python scripts/compare_throughput.py --x`" in md
+    assert "torch 2.13.0" in md and "Some CPU" in md and "2025-01-01" in md
+
+
+@pytest.mark.parametrize(
+    ("lines", "rc", "expected"),
+    [
+        # torchrun: the worker's exception, not the launcher's ChildFailedError summary
+        (["[rank0]: Traceback (most recent call last):", '[rank0]:   File "train.py", line 3',
+          "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+          "E1129 worker failed", "Traceback (most recent call last):",
+          "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+          "============================================================", "train.py FAILED",
+          "  exitcode  : 1 (pid: 12)", "============================================================"],
+         1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+        (["warning: float8 is slow", "error: training.seq_len must be positive, got 0"], 2,
+         "error: training.seq_len must be positive, got 0"),
+        (["Traceback (most recent call last):", "torch._dynamo.exc.InvalidBackend: Invalid backend: 'x'",
+          "", "/usr/lib/python3/warnings.py:1: UserWarning: something"], 1,
+         "torch._dynamo.exc.InvalidBackend: Invalid backend: 'x'"),
+        (["loading shard 3", "warning: float8 is slow"], 1, "loading shard 3"),
+        (["warning: float8 is slow", "====="], -9, "killed by signal 9 (out of host memory?)"),
+        ([], 3, "exit code 3"),
+    ],
+)
+def test_failure_reason(lines, rc, expected):
+    assert ct.failure_reason([line + "\n" for line in lines], rc) == expected
+
+
+def test_cell_overrides_win_over_user_and_config(tmp_path):
+    base = ["--config", "configs/debug.toml", "--float8.fsdp_float8_all_gather", "true"]
+    cfg = build_config([*base, *ct.cell_overrides("rowwise", "block", 5, str(tmp_path))])
+    assert cfg.float8.enabled and cfg.float8.scaling == "rowwise"
+    assert not cfg.float8.fsdp_float8_all_gather  # tensorwise-only feature, off for the other cells
+    assert cfg.compile.mode == "block" and cfg.training.steps == 5 and cfg.metrics.log_freq == 1
+    assert cfg.job.dump_folder == str(tmp_path) and cfg.job.run_name == "rowwise-block"
+    assert not cfg.checkpoint.enable and not cfg.profiling.enable
+    tensorwise = build_config([*base, *ct.cell_overrides("tensorwise", "none", 5, str(tmp_path))])
+    assert tensorwise.float8.fsdp_float8_all_gather  # the user's choice stands for tensorwise
+    bf16 = build_config([*base, "--float8.enabled", "true", *ct.cell_overrides("bf16", "model", 5, "x")])
+    assert not bf16.float8.enabled and bf16.compile.mode == "model"
+
+
+def test_chart_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = [_ok("bf16", "none", 100.0), _ok("tensorwise", "none", 80.0), _ok("bf16", "block", 150.0),
+               _failed("tensorwise", "block")]
+    ct.add_speedups(results)
+    path = tmp_path / "c.png"
+    assert ct.write_chart(results, path, "title")
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 5000
+
+
+def test_chart_without_matplotlib_is_skipped_with_a_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    stale = tmp_path / "comparison.png"
+    stale.write_bytes(PNG_MAGIC)
+    assert not ct.write_chart([_ok("bf16", "none", 100.0)], stale, "title")
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not stale.exists()
+
+
+def test_event_files_are_copied_without_the_hostname(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    name = f"events.out.tfevents.1700000000.{socket.gethostname()}.123.0"
+    (src / name).write_bytes(b"events")
+    ct.copy_events(src, tmp_path / "dst")
+    assert [p.name for p in (tmp_path / "dst").iterdir()] == ["events.out.tfevents.1700000000.host.123.0"]
+    ct.copy_events(tmp_path / "missing", tmp_path / "none")  # a run that died before TensorBoard started
+    assert not (tmp_path / "none").exists()
+
+
+def test_all_cells_failed_exits_1_and_still_reports(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ct, "run_cell", lambda p, m, *a: _failed(p, m, "RuntimeError: no luck"))
+    rc = ct.main(["--config", "configs/debug.toml", "--out", str(tmp_path), "--steps", "2",
+                  "--precisions", "bf16,rowwise", "--compile", "none"])
+    assert rc == 1
+    report = json.loads((tmp_path / "comparison.json").read_text())
+    assert report["failures"] == {"bf16-none": "RuntimeError: no luck", "rowwise-none": "RuntimeError: no luck"}
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("| rowwise | none | failed |")  # the table comes last
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--precisions", "bf16,fp4"], "--precisions: unknown name 'fp4'"),
+        (["--compile", "none,fast"], "--compile: unknown name 'fast'"),
+        (["--precisions", ","], "--precisions needs at least one of"),
+        (["--steps", "3", "--warmup", "3"], "--warmup must be in [0, steps)"),
+        (["--nproc", "0"], "--nproc must be >= 1"),
+        (["--oops"], "unrecognized arguments: --oops"),
+        (["--", "--compile.mode", "block"], "--compile.mode is set for each cell by this script"),
+        (["--", "--config", "configs/7b_fp8.toml"], "pass --config before `--`"),
+        (["--", "--training.bach_size", "2"], "unknown config key training.bach_size (did you mean 'batch_size'?)"),
+    ],
+)
+def test_bad_arguments_one_line_exit_2(args, message, tmp_path, capsys):
+    cut = args.index("--") if "--" in args else len(args)
+    argv = [*args[:cut], "--config", "configs/debug.toml", "--out", str(tmp_path / "o"), *args[cut:]]
+    assert ct.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing ran
+
+
+def test_bad_arguments_from_the_command_line(tmp_path):
+    result = _run_script(["--config", "configs/missing.toml", "--out", str(tmp_path)])
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: config file not found: configs/missing.toml"
+    result = _run_script(["--config", "configs/debug.toml"])
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "--out" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- end to end on CPU -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_reduced_comparison_on_cpu(tmp_path):
+    out = tmp_path / "cmp"
+    result = _run_script(["--config", "configs/debug.toml", "--steps", "3", "--precisions", "bf16,tensorwise",
+                          "--compile", "none,block", "--out", str(out), "--", *TINY])
+    assert result.returncode == 0, result.stdout + result.stderr
+    cells = ["bf16-none", "tensorwise-none", "bf16-block", "tensorwise-block"]
+
+    md = (out / "comparison.md").read_text()
+    for cell in cells:
+        precision, mode = cell.split("-")
+        assert f"| {precision} | {mode} | " in md
+    assert "failed" not in md
+    assert result.stdout.rstrip().endswith(md.split("\n\n")[1].rstrip())  # the table is printed last
+
+    report = json.loads((out / "comparison.json").read_text())
+    assert [c["name"] for c in report["cells"]] == cells
+    assert report["failures"] == {} and report["environment"]["torch"]
+    by = {c["name"]: c for c in report["cells"]}
+    for c in by.values():
+        assert c["ok"] and c["tps"] > 0 and c["tflops"] > 0 and c["mfu_pct"] is None
+        assert c["steps_measured"] == 1 and c["first_step_s"] > 0 and c["peak_memory_gib"] > 0
+        assert c["speedup_vs_bf16_eager"] == pytest.approx(c["tps"] / by["bf16-none"]["tps"])
+        assert c["speedup_vs_bf16_same_compile"] == pytest.approx(c["tps"] / by[f"bf16-{c['compile']}"]["tps"])
+        assert "--training.batch_size 2" in c["command"] and f"--job.run_name {c['name']}" in c["command"]
+    assert by["bf16-none"]["speedup_vs_bf16_eager"] == 1.0
+
+    # Same seed and data in every cell: the first step sees the same weights and batch.
+    first_losses = [json.loads((out / "runs" / c / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+                    for c in cells]
+    assert max(first_losses) - min(first_losses) < 0.05 * min(first_losses)
+
+    png = (out / "comparison.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 5000
+    for cell in cells:
+        events = list((out / "tb" / cell).glob("events.out.tfevents.*"))
+        assert events and all(f".{socket.gethostname()}." not in e.name for e in events), cell
+        assert "step" in (out / "runs" / cell / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_failed_cell_is_recorded_and_others_run(tmp_path):
+    # An unknown compile backend breaks only the compiled cell; eager never reads it. Two processes,
+    # so the reason must come from the worker's traceback, not torchrun's summary after it.
+    out = tmp_path / "cmp"
+    result = _run_script(["--config", "configs/debug.toml", "--nproc", "2", "--steps", "2", "--precisions", "bf16",
+                          "--compile", "block,none", "--out", str(out), "--", *TINY,
+                          "--compile.backend", "no_such_backend"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((out / "comparison.json").read_text())
+    by = {c["name"]: c for c in report["cells"]}
+    assert not by["bf16-block"]["ok"] and by["bf16-block"]["returncode"] != 0
+    assert by["bf16-block"]["reason"].startswith("torch._dynamo.exc.InvalidBackend: Invalid backend: 'no_such_backend'")
+    assert "torch.distributed.run --standalone --nproc_per_node=2" in by["bf16-none"]["command"]
+    assert report["failures"] == {"bf16-block": by["bf16-block"]["reason"]}
+    assert by["bf16-none"]["ok"] and by["bf16-none"]["speedup_vs_bf16_eager"] == 1.0
+    md = (out / "comparison.md").read_text()
+    assert "| bf16 | block | failed |" in md and "bf16-block: " in md
+    assert "FAILED" in result.stdout
+    assert Path(by["bf16-block"]["log"]).read_text().count("no_such_backend") >= 1
