@@ -37,7 +37,7 @@ def test_linear_sqnr_on_gpu(scaling, compiled):
     g = torch.randn(4, 512, 768, device="cuda")
     results = []
     for module, dtype in ((ref, torch.float32), (f8, torch.bfloat16)):
-        xi = x.to(dtype).requires_grad_()
+        xi = x.to(dtype).detach().requires_grad_()
         out = module(xi)
         out.backward(g.to(out.dtype))
         results.append((out.float(), xi.grad.float(), module.weight.grad.float()))
