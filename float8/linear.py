@@ -102,31 +102,27 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
+        # Both gradients always, never ctx.needs_input_grad: torch 2.11's dynamo traces it
+        # as all False inside compiled regions (zero gradients), and autograd drops a
+        # gradient nobody asked for anyway.
         scaling, emulate = ctx.scaling, ctx.emulate
         g = g.contiguous()
         if scaling == "tensorwise":
             x_f8, x_s, w_saved, w_s = ctx.saved_tensors
             g_f8, g_s = cast_tensorwise(g, E5M2)
-            grad_x = grad_w = None
-            if ctx.needs_input_grad[0]:
-                if ctx.gathered:
-                    w_t = w_saved.t().contiguous()
-                else:
-                    w_t = cast_tensorwise_t(w_saved, w_s, E4M3)
-                grad_x = _scaled_mm(g_f8, w_t.t(), g_s, w_s, ctx.x_dtype, False, emulate)
-            if ctx.needs_input_grad[1]:
-                a, b = _pad_inner(g_f8.t().contiguous(), x_f8.t().contiguous().t())
-                grad_w = _scaled_mm(a, b, g_s, x_s, ctx.w_dtype, False, emulate)
+            if ctx.gathered:
+                w_t = w_saved.t().contiguous()
+            else:
+                w_t = cast_tensorwise_t(w_saved, w_s, E4M3)
+            grad_x = _scaled_mm(g_f8, w_t.t(), g_s, w_s, ctx.x_dtype, False, emulate)
+            a, b = _pad_inner(g_f8.t().contiguous(), x_f8.t().contiguous().t())
+            grad_w = _scaled_mm(a, b, g_s, x_s, ctx.w_dtype, False, emulate)
             return grad_x, grad_w, None, None
 
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            g_f8, g_s = cast_rowwise(g, -1, E4M3)
-            wt_f8, wt_s = cast_colwise_t(ctx.saved_tensors[-1], E4M3)
-            grad_x = _scaled_mm(g_f8, wt_f8.t(), g_s, wt_s.t(), ctx.x_dtype, True, emulate)
-        if not ctx.needs_input_grad[1]:
-            grad_w = None
-        elif scaling == "rowwise":
+        g_f8, g_s = cast_rowwise(g, -1, E4M3)
+        wt_f8, wt_s = cast_colwise_t(ctx.saved_tensors[-1], E4M3)
+        grad_x = _scaled_mm(g_f8, wt_f8.t(), g_s, wt_s.t(), ctx.x_dtype, True, emulate)
+        if scaling == "rowwise":
             xt_f8, xt_s, _ = ctx.saved_tensors
             gt_f8, gt_s = cast_colwise_t(g, E4M3)
             a, b = _pad_inner(gt_f8, xt_f8.t())

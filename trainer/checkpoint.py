@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer.errors import UserError
+from trainer.metrics import warn
 from trainer.weights import (
     SafeFileSystemReader,
     check_model_keys,
@@ -233,7 +234,10 @@ class CheckpointManager:
                 _remove(final)
             os.replace(partial, final)
             if self.cfg.keep_latest_k > 0:
-                for _, old in list(step_folders(self.folder).items())[: -self.cfg.keep_latest_k]:
+                # Oldest first, never the one just written (after a load_step resume, newer
+                # checkpoints of the abandoned run may exist).
+                others = [p for p in step_folders(self.folder).values() if p != final]
+                for old in others[: max(len(others) - self.cfg.keep_latest_k + 1, 0)]:
                     _remove(old)
             print(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s)", flush=True)
         dist.barrier()
@@ -254,6 +258,13 @@ class CheckpointManager:
                     f"(found: {have})"
                 )
             path = found[self.cfg.load_step]
+            newer = [s for s in found if s > self.cfg.load_step]
+            if newer and self.trainer.is_main:
+                warn(
+                    f"checkpoint.load_step = {self.cfg.load_step}: newer checkpoints ({', '.join(map(str, newer))}) "
+                    f"in {self.folder} belong to the run being replaced; a restart without load_step would "
+                    "resume from them, so delete them once this run has saved"
+                )
         elif found:
             path = found[max(found)]
         else:

@@ -226,7 +226,7 @@ class WindowDataset(IterableDataset):
             mine = []
             for k in range(group):
                 window, state = next(stream)
-                if k < self.batch_size:
+                if lo <= k < hi:
                     mine.append(window)
             self._state = {**state, "windows": self._state["windows"] + group}
             yield self.collate(mine)
