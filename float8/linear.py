@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from float8 import scaling as _scaling
 from float8.config import Float8Config
 from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight, plain_weight
 from float8.scaling import (
@@ -72,29 +73,30 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, scaling: str, emulate: bool) -> torch.Tensor:
         ctx.scaling, ctx.emulate = scaling, emulate
+        ctx.fused = fused = _scaling.compile_casts_in_eager(x) and not torch.compiler.is_compiling()
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         # Casts keep their input's strides; the GEMM needs x row-major with no row gaps.
         x = x.contiguous()
         if scaling == "tensorwise":
-            x_f8, x_s = cast_tensorwise(x, E4M3)
+            x_f8, x_s = cast_tensorwise(x, E4M3, fused=fused)
             if isinstance(w, Float8GatheredWeight):
                 # FSDP already all-gathered the weight in float8 with its scale.
                 w_f8, w_s = w._data, w._scale
                 ctx.gathered = True
                 ctx.save_for_backward(x_f8, x_s, w_f8, w_s)
             else:
-                w_f8, w_s = cast_tensorwise(w, E4M3)
+                w_f8, w_s = cast_tensorwise(w, E4M3, fused=fused)
                 ctx.gathered = False
                 ctx.save_for_backward(x_f8, x_s, w, w_s)
             return _scaled_mm(x_f8, w_f8.t(), x_s, w_s, x.dtype, False, emulate, fast_accum=True)
 
-        x_f8, x_s = cast_rowwise(x, -1, E4M3)
-        w_f8, w_s = cast_rowwise(w, -1, E4M3)
+        x_f8, x_s = cast_rowwise(x, -1, E4M3, fused=fused)
+        w_f8, w_s = cast_rowwise(w, -1, E4M3, fused=fused)
         out = _scaled_mm(x_f8, w_f8.t(), x_s, w_s.t(), x.dtype, True, emulate, fast_accum=True)
         if scaling == "rowwise":
             # Keep x already cast for the weight gradient (scales along tokens), 1 byte
             # per element, instead of the 2-byte x and a second cast in backward.
-            xt_f8, xt_s = cast_colwise_t(x, E4M3)
+            xt_f8, xt_s = cast_colwise_t(x, E4M3, fused=fused)
             ctx.save_for_backward(xt_f8, xt_s, w)
         else:
             ctx.save_for_backward(x, w)
@@ -109,22 +111,22 @@ class _Float8Matmul(torch.autograd.Function):
         g = g.contiguous()
         if scaling == "tensorwise":
             x_f8, x_s, w_saved, w_s = ctx.saved_tensors
-            g_f8, g_s = cast_tensorwise(g, E5M2)
+            g_f8, g_s = cast_tensorwise(g, E5M2, fused=ctx.fused)
             if ctx.gathered:
                 w_t = w_saved.t().contiguous()
             else:
-                w_t = cast_tensorwise_t(w_saved, w_s, E4M3)
+                w_t = cast_tensorwise_t(w_saved, w_s, E4M3, fused=ctx.fused)
             grad_x = _scaled_mm(g_f8, w_t.t(), g_s, w_s, ctx.x_dtype, False, emulate)
             a, b = _pad_inner(g_f8.t().contiguous(), x_f8.t().contiguous().t())
             grad_w = _scaled_mm(a, b, g_s, x_s, ctx.w_dtype, False, emulate)
             return grad_x, grad_w, None, None
 
-        g_f8, g_s = cast_rowwise(g, -1, E4M3)
-        wt_f8, wt_s = cast_colwise_t(ctx.saved_tensors[-1], E4M3)
+        g_f8, g_s = cast_rowwise(g, -1, E4M3, fused=ctx.fused)
+        wt_f8, wt_s = cast_colwise_t(ctx.saved_tensors[-1], E4M3, fused=ctx.fused)
         grad_x = _scaled_mm(g_f8, wt_f8.t(), g_s, wt_s.t(), ctx.x_dtype, True, emulate)
         if scaling == "rowwise":
             xt_f8, xt_s, _ = ctx.saved_tensors
-            gt_f8, gt_s = cast_colwise_t(g, E4M3)
+            gt_f8, gt_s = cast_colwise_t(g, E4M3, fused=ctx.fused)
             a, b = _pad_inner(gt_f8, xt_f8.t())
             grad_w = _scaled_mm(a, b, gt_s, xt_s.t(), ctx.w_dtype, True, emulate)
         else:

@@ -33,14 +33,18 @@ def _fused_in_eager(fn: F) -> F:
     Eager PyTorch would run abs, max, multiply, clamp and convert as separate
     full-tensor passes (plus fp32 temporaries); that is most of why eager float8
     is slower than eager bf16. Inside an outer torch.compile the plain function is
-    traced and fused with its neighbours instead.
+    traced and fused with its neighbours instead. Callers in a backward pass pass
+    `fused` decided in the forward: torch 2.11 does not report the compiled backward
+    as compiling, and calling the compiled casts there yields zero gradients.
     """
     compiled: Callable | None = None
 
     @functools.wraps(fn)
-    def wrapper(x: torch.Tensor, *args):
+    def wrapper(x: torch.Tensor, *args, fused: bool | None = None):
         nonlocal compiled
-        if compile_casts_in_eager(x) and not torch.compiler.is_compiling():
+        if fused is None:
+            fused = compile_casts_in_eager(x) and not torch.compiler.is_compiling()
+        if fused:
             if compiled is None:
                 _allow_cast_variants()
                 # dynamic: one kernel set serves every layer shape and token count.

@@ -56,7 +56,8 @@ def main() -> int:
     g = torch.randn(opts.tokens, opts.out_features, device=device)
     expected = run(ref, x, g, torch.float32)
     variants = [("eager", None, True), ("eager-unfused", None, False),
-                ("compiled-aot_eager", "aot_eager", True), ("compiled-inductor", "inductor", True)]
+                ("compiled-aot_eager", "aot_eager", True), ("compiled-inductor", "inductor", True),
+                ("compiled-unfused", "inductor", False)]
     failures = 0
     print(f"{'scaling':14} {'variant':20} {'out dB':>8} {'grad_x dB':>10} {'grad_w dB':>10}")
     for scaling in ("tensorwise", "rowwise", "rowwise_gw_hp"):
