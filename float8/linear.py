@@ -75,6 +75,8 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.scaling, ctx.emulate = scaling, emulate
         ctx.fused = fused = _scaling.compile_casts_in_eager(x) and not torch.compiler.is_compiling()
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        ctx.x_shape = x_shape = x.shape
+        x = x.reshape(-1, x_shape[-1])
         # Casts keep their input's strides; the GEMM needs x row-major with no row gaps.
         x = x.contiguous()
         if scaling == "tensorwise":
@@ -88,7 +90,8 @@ class _Float8Matmul(torch.autograd.Function):
                 w_f8, w_s = cast_tensorwise(w, E4M3, fused=fused)
                 ctx.gathered = False
                 ctx.save_for_backward(x_f8, x_s, w, w_s)
-            return _scaled_mm(x_f8, w_f8.t(), x_s, w_s, x.dtype, False, emulate, fast_accum=True)
+            out = _scaled_mm(x_f8, w_f8.t(), x_s, w_s, x.dtype, False, emulate, fast_accum=True)
+            return out.reshape(*x_shape[:-1], out.shape[-1])
 
         x_f8, x_s = cast_rowwise(x, -1, E4M3, fused=fused)
         w_f8, w_s = cast_rowwise(w, -1, E4M3, fused=fused)
@@ -100,7 +103,7 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.save_for_backward(xt_f8, xt_s, w)
         else:
             ctx.save_for_backward(x, w)
-        return out
+        return out.reshape(*x_shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -108,7 +111,7 @@ class _Float8Matmul(torch.autograd.Function):
         # as all False inside compiled regions (zero gradients), and autograd drops a
         # gradient nobody asked for anyway.
         scaling, emulate = ctx.scaling, ctx.emulate
-        g = g.contiguous()
+        g = g.reshape(-1, g.shape[-1]).contiguous()
         if scaling == "tensorwise":
             x_f8, x_s, w_saved, w_s = ctx.saved_tensors
             g_f8, g_s = cast_tensorwise(g, E5M2, fused=ctx.fused)
@@ -119,7 +122,7 @@ class _Float8Matmul(torch.autograd.Function):
             grad_x = _scaled_mm(g_f8, w_t.t(), g_s, w_s, ctx.x_dtype, False, emulate)
             a, b = _pad_inner(g_f8.t().contiguous(), x_f8.t().contiguous().t())
             grad_w = _scaled_mm(a, b, g_s, x_s, ctx.w_dtype, False, emulate)
-            return grad_x, grad_w, None, None
+            return grad_x.reshape(ctx.x_shape), grad_w, None, None
 
         g_f8, g_s = cast_rowwise(g, -1, E4M3, fused=ctx.fused)
         wt_f8, wt_s = cast_colwise_t(ctx.saved_tensors[-1], E4M3, fused=ctx.fused)
@@ -132,7 +135,7 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             x, _ = ctx.saved_tensors
             grad_w = torch.mm(g.t(), x.to(g.dtype)).to(ctx.w_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x.reshape(ctx.x_shape), grad_w, None, None
 
 
 def float8_mm(x: torch.Tensor, w: torch.Tensor, config: Float8Config) -> torch.Tensor:
@@ -144,11 +147,9 @@ def float8_mm(x: torch.Tensor, w: torch.Tensor, config: Float8Config) -> torch.T
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         x = x.to(torch.get_autocast_dtype(device_type))
-    x2d = x.reshape(-1, x.shape[-1])
-    with torch.autocast(device_type, enabled=False):
-        out = _Float8Matmul.apply(x2d, w, config.scaling, config.emulate)
-    # Not a view (like F.linear's 3-D output): FSDP warns about modules returning views.
-    return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
+    # No autocast context and no reshapes around apply(): under torch 2.11's dynamo
+    # either made the compiled backward return zero gradients.
+    return _Float8Matmul.apply(x, w, config.scaling, config.emulate)
 
 
 def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
