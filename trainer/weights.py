@@ -80,7 +80,10 @@ def describe_error(e: BaseException) -> str:
         inner = next(iter(e.failures.values()))
         e = inner[0] if isinstance(inner, tuple) else inner
     lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    first = lines[0] if lines else ""
+    if len(first) > 200:
+        first = first[:200] + "..."
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def read_dcp_metadata(path: str | Path, what: str) -> Metadata:

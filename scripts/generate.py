@@ -1,0 +1,259 @@
+"""Generate from a trained LLaMA-2: greedy or top-p sampling, LLaMA-2 chat template by default.
+
+    python scripts/generate.py --config configs/debug_sft.toml --prompt "Which digit is the largest?
+
+    3 8 1"
+    python scripts/generate.py --config configs/debug_sft.toml --prompt "Copy the words: cat dog" \\
+        --temperature 0.8 --top_p 0.9 --num_samples 3
+    python scripts/generate.py --config configs/debug.toml --raw --prompt "Anna has a"
+    python scripts/generate.py --config configs/debug_sft.toml \\
+        --weights outputs/debug_sft/checkpoints/final/model.safetensors --prompt "..."
+
+Weights, first that applies: ``--weights`` (a DCP checkpoint folder ``step-N``, a
+``model.safetensors`` or its export folder, a Hugging Face or Meta folder); the latest
+checkpoint under the config's dump folder (when ``checkpoint.enable``); the config's
+``checkpoint.initial_load_path``; else the untrained initialisation, with a warning.
+Any ``--section.key value`` overrides the config as in train.py.
+
+One process, no float8: DCP checkpoints (also of sharded or float8 runs, whose linears
+keep ordinary weights) load into a plain model; it runs in fp32 on CPU, bf16 on GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from models.llama import Transformer  # noqa: E402
+from models.llama.weights import WeightsError  # noqa: E402
+from models.llama.weights_io import read_weights  # noqa: E402
+from trainer.checkpoint import step_folders  # noqa: E402
+from trainer.config import Config, build_config  # noqa: E402
+from trainer.errors import UserError  # noqa: E402
+from trainer.model_setup import model_args_for  # noqa: E402
+from trainer.sft_data import turn_strings  # noqa: E402
+from trainer.tokenizer import Tokenizer  # noqa: E402
+from trainer.weights import load_dcp_model  # noqa: E402
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def checkpoint_folder(cfg: Config) -> Path:
+    folder = Path(cfg.checkpoint.folder)
+    return folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder
+
+
+def _weights_format(path: Path) -> str:
+    if path.is_file():
+        return "torch"
+    if (path / ".metadata").is_file():
+        return "dcp"
+    if (path / "model.safetensors").is_file() and (path / "params.json").is_file():
+        return "export"
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / "params.json").is_file():
+        return "meta"
+    raise UserError(
+        f"--weights {path}: not a DCP checkpoint (.metadata), an export (model.safetensors), "
+        "a Hugging Face (config.json) or a Meta (params.json) folder"
+    )
+
+
+def default_weights(cfg: Config) -> tuple[str | None, str]:
+    """(path, format) the trainer would resume or start from; (None, "init") for none."""
+    if cfg.checkpoint.enable:
+        found = step_folders(checkpoint_folder(cfg))
+        if found:
+            return str(found[max(found)]), "dcp"
+    if cfg.checkpoint.initial_load_path:
+        return cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_format
+    return None, "init"
+
+
+def load_model(
+    cfg: Config, weights: str | None, device: torch.device, dtype: torch.dtype
+) -> tuple[Transformer, Tokenizer, str]:
+    """A plain (unsharded, no float8) model in eval mode, its tokenizer, and where its weights came from."""
+    tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    args = model_args_for(cfg, tokenizer.n_words)
+    if weights is not None:
+        path = Path(weights)
+        if not path.exists():
+            raise UserError(f"--weights not found: {weights}")
+        fmt = _weights_format(path)
+    else:
+        path_str, fmt = default_weights(cfg)
+        path = Path(path_str) if path_str else None
+    # Built on meta and materialised on the target device: a 7B model never needs a CPU copy.
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    # Seeded: without weights this is a reproducible untrained model (and the rope table is set).
+    torch.manual_seed(cfg.training.seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    if path is None:
+        source = "no checkpoint: the untrained initialisation"
+    elif fmt == "dcp":
+        load_dcp_model(model, path, what="checkpoint")
+        source = str(path)
+    else:
+        if fmt == "export":
+            path = path / "model.safetensors"
+        try:
+            _, state_dict = read_weights("torch" if fmt == "export" else fmt, path, args)
+        except WeightsError as e:
+            raise UserError(str(e)) from None
+        model.load_state_dict(state_dict)
+        source = str(path)
+    with torch.no_grad():
+        # Parameters only: the rope table stays fp32.
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    return model.eval(), tokenizer, source
+
+
+def chat_prompt(tokenizer: Tokenizer, user: str, system: str | None = None) -> list[int]:
+    """LLaMA-2 chat tokens of one user message, up to and including ``[/INST]``."""
+    prompt, _ = turn_strings((system, [(user, "")]))[0]
+    return tokenizer.encode(prompt, bos=True, eos=False)
+
+
+def _next_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+    sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= top_p] = 0.0
+    choice = torch.multinomial(sorted_probs.cpu(), 1, generator=generator).to(logits.device)
+    return order.gather(-1, choice).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """New tokens for each prompt (EOS excluded), batched; temperature 0 is greedy.
+
+    Prompts of different lengths are left-padded; positions restart at each prompt's first
+    token and padding is a separate document, so every row computes exactly what it would
+    alone. No KV cache: each step runs the whole sequence, fine for short answers.
+    """
+    device = model.tok_embeddings.weight.device
+    limit = model.model_args.max_seq_len
+    seqs = [list(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    active = [i for i, p in enumerate(prompts) if p]
+    for _ in range(max_new_tokens):
+        active = [i for i in active if len(seqs[i]) < limit]
+        if not active:
+            break
+        width = max(len(seqs[i]) for i in active)
+        tokens = torch.zeros(len(active), width, dtype=torch.long)
+        positions = torch.zeros_like(tokens)
+        documents = torch.zeros_like(tokens)
+        for row, i in enumerate(active):
+            n = len(seqs[i])
+            tokens[row, width - n:] = torch.tensor(seqs[i])
+            positions[row, width - n:] = torch.arange(n)
+            documents[row, width - n:] = 1
+        logits = model(tokens.to(device), position_ids=positions.to(device), document_ids=documents.to(device))
+        chosen = _next_tokens(logits[:, -1], temperature, top_p, generator).tolist()
+        still = []
+        for i, token in zip(active, chosen):
+            if token == eos_id:
+                continue
+            seqs[i].append(token)
+            out[i].append(token)
+            still.append(i)
+        active = still
+    return out
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags shared with eval_sft.py."""
+    parser.add_argument("--weights", help="checkpoint/export/HF/Meta path (default: latest checkpoint of the config)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--max_new_tokens", type=int, help="tokens to generate at most")
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
+    """Script flags via argparse; everything else (--config, --section.key value) via train.py's parser."""
+    opts, rest = parser.parse_known_args(argv)
+    cfg = build_config(rest)
+    if opts.max_new_tokens is not None and opts.max_new_tokens <= 0:
+        raise UserError(f"--max_new_tokens must be positive, got {opts.max_new_tokens}")
+    return opts, cfg
+
+
+def model_from_opts(opts: argparse.Namespace, cfg: Config) -> tuple[Transformer, Tokenizer, str]:
+    device = pick_device(opts.device)
+    dtype = _DTYPES[opts.dtype] if opts.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return load_model(cfg, opts.weights, device, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    parser.add_argument("--prompt", action="append", required=True, help="a user message (repeat for a batch)")
+    parser.add_argument("--system", help="system prompt (chat template only)")
+    parser.add_argument("--raw", action="store_true", help="plain text continuation, no chat template")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (with temperature > 0)")
+    parser.add_argument("--num_samples", type=int, default=1, help="completions per prompt")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_model_flags(parser)
+    try:
+        opts, cfg = parse(parser, argv)
+        if not 0 < opts.top_p <= 1 or opts.temperature < 0 or opts.num_samples < 1:
+            raise UserError("need 0 < --top_p <= 1, --temperature >= 0 and --num_samples >= 1")
+        model, tokenizer, source = model_from_opts(opts, cfg)
+        print(f"weights: {source}", file=sys.stderr, flush=True)
+        if opts.raw:
+            prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
+        else:
+            prompts = [chat_prompt(tokenizer, p, opts.system) for p in opts.prompt]
+        prompts = [p for p in prompts for _ in range(opts.num_samples)]
+        generator = torch.Generator().manual_seed(opts.seed)
+        outputs = generate(
+            model, prompts, opts.max_new_tokens or 128, tokenizer.eos_id, opts.temperature, opts.top_p, generator
+        )
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    texts = [tokenizer.decode(o) for o in outputs]
+    for k, text in enumerate(texts):
+        prompt = opts.prompt[k // opts.num_samples]
+        print(f"### {prompt}\n{text}" if opts.raw else f"### [INST] {prompt} [/INST]\n{text.strip()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
