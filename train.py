@@ -5,6 +5,7 @@ Launch on several GPUs with `torchrun --nproc_per_node=N train.py --config ...`.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -33,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             trainer.close()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # Under torchrun every rank hits the same problem; one line is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0
 

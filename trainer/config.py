@@ -113,7 +113,7 @@ class DataConfig:
 
     kind: str = _opt("pretrain", "pretrain = packed text; sft = instruction tuning with prompt masking.", ("pretrain", "sft"))
     path: str = _opt("data/corpus", "File, folder or glob of .txt/.jsonl/.parquet (or a hub dataset name when online).")
-    format: str = _opt("auto", "Input format (auto = by file extension).", ("auto", "text", "json", "parquet"))
+    format: str = _opt("auto", "Input format (auto = by file extension).", ("auto", "text", "jsonl", "parquet"))
     text_field: str = _opt("text", "Field holding the text in JSON Lines / parquet pretraining data.")
     sft_format: str = _opt("auto", "SFT row format.", ("auto", "alpaca", "chat"))
     instruction_field: str = _opt("instruction", "Alpaca field with the instruction.")
