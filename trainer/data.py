@@ -56,6 +56,7 @@ class DataSource:
                 f"unknown data format '{data_format}' (expected one of: {', '.join(DATA_FORMATS)})"
             )
         self.name = path
+        path = os.path.expanduser(path)
         if os.path.isdir(path):
             files = sorted(
                 os.path.join(path, f) for f in os.listdir(path)
@@ -135,7 +136,7 @@ def _looks_local(path: str) -> bool:
     # retry the network for half a minute before failing.
     parts = path.split("/")
     return (
-        path.startswith((".", "/", "~"))
+        path.startswith((".", "/"))
         or os.path.splitext(path)[1] in _EXTENSIONS
         or len(parts) > 2
         or os.path.exists(parts[0])

@@ -1,0 +1,97 @@
+"""Train a small SentencePiece BPE tokenizer in LLaMA-2's format.
+
+Same normalizer and special ids as Meta's ``tokenizer.model`` (unk 0, bos 1,
+eos 2, no pad piece, byte fallback, split digits, dummy prefix, identity
+normalization), so ``trainer.tokenizer.Tokenizer`` treats both alike.
+Pretraining rows contribute their ``text``; SFT rows (alpaca or chat)
+contribute their LLaMA-2 chat rendering, so ``[INST]`` and the task words
+become compact pieces. Lines are sentences, so newlines fall back to bytes
+as in LLaMA-2. Same inputs, same model bytes.
+
+    python scripts/train_tokenizer.py     # data/corpus + data/sft -> data/tokenizer.model
+"""
+
+import argparse
+import io
+import os
+import sys
+from collections.abc import Iterator
+
+import sentencepiece as spm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trainer.data import DataSource
+from trainer.errors import UserError
+from trainer.sft_data import SFTOptions, detect_format, parse_row, turn_strings
+
+
+def texts(path: str) -> Iterator[str]:
+    source = DataSource(path)
+    options = SFTOptions()
+    for _, row in source.rows():
+        if isinstance(row.get("text"), str):
+            yield row["text"]
+        else:
+            for prompt, reply in turn_strings(parse_row(row, detect_format(row, options), options)):
+                yield f"{prompt} {reply}"
+
+
+def sentences(paths: list[str]) -> Iterator[str]:
+    for path in paths:
+        for text in texts(path):
+            for line in text.split("\n"):
+                if line.strip():
+                    yield line
+
+
+def train(paths: list[str], vocab_size: int) -> bytes:
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=sentences(paths),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        character_coverage=0.99995,
+        byte_fallback=True,
+        split_digits=True,
+        split_by_unicode_script=True,
+        split_by_whitespace=True,
+        split_by_number=True,
+        allow_whitespace_only_pieces=True,
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        max_sentence_length=4192,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        # one thread and every sentence: no sampling, no thread-order effects
+        num_threads=1,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="*", default=["data/corpus", "data/sft/train.jsonl", "data/sft/chat_example.jsonl"],
+                   help="files or folders (JSONL, parquet, text)")
+    p.add_argument("--out", default="data/tokenizer.model")
+    p.add_argument("--vocab-size", type=int, default=2048)
+    args = p.parse_args()
+    try:
+        model = train(args.inputs, args.vocab_size)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    with open(args.out, "wb") as f:
+        f.write(model)
+    print(f"wrote {args.out} ({len(model)} bytes, vocab {args.vocab_size})")
+
+
+if __name__ == "__main__":
+    main()
