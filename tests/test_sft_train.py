@@ -111,8 +111,10 @@ def test_short_sft_run_then_eval_and_generate(tmp_path):
                       "--checkpoint.interval", "15", "--checkpoint.export_final", "true",
                       "--metrics.enable_tensorboard", "false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    loss = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
+    rows = read_metrics(tmp_path)
+    loss = {r["step"]: r["loss"] for r in rows}
     assert loss[30] < loss[1] / 2, loss
+    assert rows[-1]["data/samples"] > 0 and rows[-1]["data/truncated"] >= 0 and rows[-1]["data/dropped"] >= 0
 
     trained = run_script("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24")
     assert f"weights: {tmp_path}/checkpoints/step-30" in trained.stdout

@@ -21,6 +21,7 @@ def test_short_run_writes_outputs_and_loss_falls(tmp_path):
         assert row["mfu_pct"] is None  # CPU: no known peak
         assert row["tps"] > 0 and row["tflops"] > 0 and math.isfinite(row["loss"])
     assert rows[-1]["tokens_seen"] == 30 * 8 * 128
+    assert rows[-1]["data/epoch"] >= 0
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, [r["loss"] for r in rows]
     assert (dump / "config.toml").read_text().count("[training]") == 1
     events = list((dump / "tb" / "debug-bf16-none").glob("events.out.tfevents.*"))

@@ -8,8 +8,6 @@ TP comes first so compile traces the DTensor-sharded block.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -166,10 +164,3 @@ def apply_fsdp(
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
-
-def float8_layer_summary(converted: list[str]) -> dict[str, int]:
-    """Count converted linears by leaf name (wq x32 ...) for readable plans."""
-    counts: dict[str, int] = defaultdict(int)
-    for fqn in converted:
-        counts[fqn.split(".")[-1]] += 1
-    return dict(counts)

@@ -203,6 +203,12 @@ class Trainer:
             precompute_float8_scales_for_fsdp(self.model)
         return (loss_total / n_tokens).item(), float(grad_norm)
 
+    def _data_stats(self) -> dict[str, int]:
+        """Epoch and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
+        stats = self.dataloader.dataset.stats()
+        keys = ("epoch", "samples", "truncated", "dropped")
+        return {f"data/{k}": int(stats[k]) for k in keys if k in stats}
+
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
             self._stop_requested = True
@@ -267,6 +273,7 @@ class Trainer:
                         "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                         "step_time_s": step_time, "data_time_s": t_data - t0,
                         **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
+                        **self._data_stats(),
                     }
                     done = step - first_step + 1
                     eta = (time.perf_counter() - train_start) / done * (cfg.training.steps - step)
