@@ -38,6 +38,9 @@ def _entry(rank: int, worker, port: int, out_dir: str, args) -> None:
         result = worker(rank, *args)
         if rank == 0:
             Path(out_dir, "result.json").write_text(json.dumps(result))
+        # Without it, a rank that tears gloo down while its peer still has a send in
+        # flight makes the peer abort (SIGABRT), failing the test at random.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
