@@ -380,10 +380,12 @@ def write_chart(results: list[CellResult], path: Path, title: str) -> bool:
     for i, precision in enumerate(precisions):
         xs, heights, labels = [], [], []
         for j, mode in enumerate(modes):
-            r = by_cell[(precision, mode)]
+            r = by_cell.get((precision, mode))
             xs.append(j + (i - (len(precisions) - 1) / 2) * width)
-            heights.append(r.tps if r.ok else 0.0)
-            if not r.ok:
+            heights.append(r.tps if r is not None and r.ok else 0.0)
+            if r is None:
+                labels.append("not run")
+            elif not r.ok:
                 labels.append("failed")
             elif r.speedup_vs_bf16_same_compile is None:
                 labels.append("")
@@ -395,7 +397,9 @@ def write_chart(results: list[CellResult], path: Path, title: str) -> bool:
     ax.set_ylabel("tokens/s per GPU (median)")
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.15)
-    ax.legend(title="precision (label: vs bf16, same compile)", fontsize=8, title_fontsize=8)
+    # Below the axes: inside, the legend covers the tallest bars and their labels.
+    ax.legend(title="precision (label: vs bf16, same compile)", fontsize=8, title_fontsize=8,
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(precisions))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -168,6 +168,16 @@ def test_chart_is_a_png(tmp_path):
     assert data.startswith(PNG_MAGIC) and len(data) > 5000
 
 
+def test_chart_with_cells_not_run(tmp_path):
+    # Results merged from separate comparisons need not fill the precision x compile grid.
+    pytest.importorskip("matplotlib")
+    results = [_ok("bf16", "none", 100.0), _ok("bf16", "block", 150.0), _ok("rowwise", "block", 170.0)]
+    ct.add_speedups(results)
+    path = tmp_path / "c.png"
+    assert ct.write_chart(results, path, "title")
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
 def test_chart_without_matplotlib_is_skipped_with_a_message(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     stale = tmp_path / "comparison.png"
