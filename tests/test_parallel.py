@@ -82,12 +82,32 @@ def test_gradient_accumulation_matches_larger_batch(tmp_path):
     _assert_close(big, accum, 1e-2, "accumulation 2x4 vs batch 8")
 
 
+@pytest.mark.parametrize("precision", ["bf16", "tensorwise"])
+def test_tensor_parallel_with_block_compile(tmp_path, precision):
+    # Compiled blocks take the embedding's sequence-sharded output as input; its gradient
+    # must reach the embedding (torch 2.13 dropped it for a local-tensor input).
+    extra = FLOAT8[precision]
+    single = _losses(tmp_path, "single", ["--training.batch_size", "8", *extra])
+    tp = _losses(tmp_path, "tp", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                                  "--compile.mode", "block", *extra], nproc=2)
+    _assert_close(single, tp, 1e-2, f"{precision} TP=2 compiled per block vs 1 process eager")
+
+
 def test_2d_mesh_fsdp_x_tp(tmp_path):
     single = _losses(tmp_path, "single", ["--training.batch_size", "8"])
     mesh2d = _losses(
         tmp_path, "2d", ["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2"], nproc=4
     )
     _assert_close(single, mesh2d, 1e-2, "FSDP=2 x TP=2 vs 1 process")
+
+
+def test_2d_mesh_float8_all_gather_and_block_compile(tmp_path):
+    # Float8 TP styles, float8 FSDP all-gather and the post-step scale precompute on a 2-D mesh.
+    extra = [*FLOAT8["tensorwise"], "--float8.fsdp_float8_all_gather", "true"]
+    single = _losses(tmp_path, "single", ["--training.batch_size", "8", *extra])
+    mesh2d = _losses(tmp_path, "2d", ["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                                      "--compile.mode", "block", *extra], nproc=4)
+    _assert_close(single, mesh2d, 1e-2, "float8 FSDP=2 x TP=2 compiled vs 1 process eager")
 
 
 def test_invalid_layout_exits_2(tmp_path):

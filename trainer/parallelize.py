@@ -52,7 +52,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
     """Megatron-style TP with sequence parallel: activations between blocks are sharded on the sequence dim.
 
     With tensorwise float8 the float8-aware styles cast before the all-gather, so the
-    activation all-gathers move 1-byte data.
+    activation all-gathers move 1-byte data. The residual stream stays a Shard(1) DTensor
+    (`use_local_output=False` where it is produced): under torch 2.13 a compiled block
+    whose input is the embedding's local reduce-scatter output (an AsyncCollectiveTensor)
+    drops that input's gradient, which zeroed the embedding gradient.
     """
     if float8_tp:
         from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -65,7 +68,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
         model,
         tp_mesh,
         {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "tok_embeddings": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            ),
             "norm": SequenceParallel(),
             # The output layer stays high precision (filtered from float8), so plain TP.
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
@@ -80,11 +85,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
             "attention.wq": colwise(),
             "attention.wk": colwise(),
             "attention.wv": colwise(),
-            "attention.wo": rowwise(output_layouts=Shard(1)),
+            "attention.wo": rowwise(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
             "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": colwise(),
-            "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
             "feed_forward.w3": colwise(),
         }
         parallelize_module(block, tp_mesh, plan)
