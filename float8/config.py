@@ -32,7 +32,11 @@ class Float8Config:
         for name in ("emulate", "fsdp_float8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Float8Config.{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.filter_fqns, str) or not all(isinstance(s, str) for s in self.filter_fqns):
+        if (
+            isinstance(self.filter_fqns, str)
+            or not isinstance(self.filter_fqns, (list, tuple))
+            or not all(isinstance(s, str) for s in self.filter_fqns)
+        ):
             raise ValueError(
                 f"Float8Config.filter_fqns must be a list of strings, got {self.filter_fqns!r}"
             )

@@ -77,16 +77,25 @@ def convert_to_float8_training(
     if isinstance(model, nn.Linear):
         raise ValueError("convert_to_float8_training swaps submodules in place: pass the module that holds the linear")
     report = Float8ConversionReport()
-    for parent_fqn, parent in list(model.named_modules()):
+    # A linear registered under several names stays one module (shared weights): it is
+    # converted once, under its first name, and every name then points at the same copy.
+    swapped: dict[int, Float8Linear] = {}
+    for parent_fqn, parent in list(model.named_modules(remove_duplicate=False)):
         if isinstance(parent, Float8Linear):
             continue
-        for name, child in list(parent.named_children()):
+        # _modules, not named_children(): the latter hides a second name of the same module.
+        for name, child in list(parent._modules.items()):
             if not isinstance(child, nn.Linear) or isinstance(child, Float8Linear):
+                continue
+            if id(child) in swapped:
+                setattr(parent, name, swapped[id(child)])
                 continue
             fqn = f"{parent_fqn}.{name}" if parent_fqn else name
             reason = _skip_reason(fqn, child, config, module_filter_fn)
             if reason is None:
-                setattr(parent, name, Float8Linear.from_float(child, config))
+                new = Float8Linear.from_float(child, config)
+                setattr(parent, name, new)
+                swapped[id(child)] = new
                 report.converted.append(fqn)
             else:
                 report.skipped.append((fqn, reason))

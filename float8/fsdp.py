@@ -233,8 +233,9 @@ def precompute_float8_scales_for_fsdp(model: nn.Module) -> None:
         amax = torch.stack([
             next(norms).float() if s.numel() else torch.zeros((), device=s.device) for s in shards
         ])
-        # A scale shared across every mesh dim is also valid for the FSDP dim alone.
-        for dim in range(mesh.ndim):
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        # The ranks that all-gather a weight together must share its scale: the FSDP dim,
+        # which fully_shard puts first on a 2-D (dp, tp) mesh. The same group as the
+        # per-weight fallback in fsdp_pre_all_gather, so both give the same scales.
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(0))
         for w, scale in zip(group, amax_to_scale(amax, E4M3).unbind()):
             w._local_tensor._precomputed_scale = scale

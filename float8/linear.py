@@ -182,6 +182,7 @@ class Float8Linear(nn.Linear):
             new = cls(linear.in_features, linear.out_features, bias=False, config=config)
         new.weight = linear.weight
         new.bias = linear.bias
+        new.train(linear.training)
         if config.fsdp_float8_all_gather:
             new.weight = nn.Parameter(
                 Float8TrainingWeight(linear.weight.data), requires_grad=linear.weight.requires_grad

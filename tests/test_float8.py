@@ -47,12 +47,12 @@ def test_sqnr_against_fp32(scaling):
 
 @pytest.mark.parametrize("rowwise", [False, True])
 def test_single_cast_sqnr(rowwise):
+    torch.manual_seed(0)
     x = torch.randn(64, 256) * torch.logspace(-2, 2, 256)
-    data, scale = to_float8(x, E4M3, rowwise=rowwise)
-    assert data.dtype == E4M3
-    assert sqnr(x, from_float8(data, scale, torch.float32)) >= 25
-    data, scale = to_float8(x, E5M2, rowwise=rowwise)
-    assert sqnr(x, from_float8(data, scale, torch.float32)) >= 15
+    for float8_dtype in (E4M3, E5M2):
+        data, scale = to_float8(x, float8_dtype, rowwise=rowwise)
+        assert data.dtype == float8_dtype
+        assert sqnr(x, from_float8(data, scale, torch.float32)) >= 25
 
 
 def test_rowwise_scales_are_powers_of_two():
@@ -73,15 +73,18 @@ def test_emulate_matches_scaled_mm(scaling):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_dtypes_bias_and_3d(dtype, scaling):
-    ref, f8 = pair(bias=True, dtype=dtype, scaling=scaling)
-    x, g = torch.randn(2, 24, 256, dtype=dtype), torch.randn(2, 24, 128)
+    # The reference is the fp32 layer whatever the float8 module's dtype.
+    ref, f8 = pair(bias=True, scaling=scaling)
+    f8.to(dtype)
+    x, g = torch.randn(2, 24, 256), torch.randn(2, 24, 128)
     out_r, gx_r, gw_r = run(ref, x, g)
-    out_f, gx_f, gw_f = run(f8, x, g)
+    out_f, gx_f, gw_f = run(f8, x.to(dtype), g)
     assert out_f.shape == (2, 24, 128) and out_f.dtype == dtype
     assert gx_f.dtype == dtype and gw_f.dtype == dtype and f8.bias.grad.dtype == dtype
-    for r, f in ((out_r, out_f), (gx_r, gx_f), (gw_r, gw_f)):
-        assert sqnr(r, f) >= 20
-    torch.testing.assert_close(f8.bias.grad, ref.bias.grad)
+    assert sqnr(out_r, out_f) >= 25
+    assert sqnr(gx_r, gx_f) >= 20
+    assert sqnr(gw_r, gw_f) >= (35 if scaling == "rowwise_gw_hp" else 20)
+    assert sqnr(ref.bias.grad, f8.bias.grad) >= 35
 
 
 def test_autocast_computes_in_bf16_and_keeps_fp32_grads():
@@ -185,6 +188,18 @@ def test_report_names_and_reasons():
         convert_to_float8_training(nn.Linear(16, 16))
 
 
+def test_conversion_keeps_mode_and_shared_modules():
+    shared = nn.Linear(64, 64)
+    model = nn.ModuleDict({"a": shared, "b": shared, "seq": nn.Sequential(shared)})
+    model.eval()
+    report = convert_to_float8_training(model)
+    assert report.converted == ["a"]
+    assert isinstance(model["a"], Float8Linear)
+    assert model["b"] is model["a"] and model["seq"][0] is model["a"]
+    assert not model["a"].training
+    assert model["a"].weight is shared.weight
+
+
 def test_report_string_is_short():
     model = Model(n_layers=32)
     report = convert_to_float8_training(model, config=Float8Config(filter_fqns=["output"]))
@@ -249,6 +264,7 @@ def test_fsdp_all_gather_weight_trains_like_a_plain_weight():
         ({"scaling": "delayed"}, "scaling"),
         ({"emulate": "yes"}, "emulate"),
         ({"filter_fqns": "output"}, "filter_fqns"),
+        ({"filter_fqns": None}, "filter_fqns"),
         ({"min_features": -1}, "min_features"),
         ({"scaling": "rowwise", "fsdp_float8_all_gather": True}, "fsdp_float8_all_gather"),
     ],
@@ -258,10 +274,11 @@ def test_bad_config_raises(kwargs, field):
         Float8Config(**kwargs)
 
 
-def test_compiled_matches_eager_fullgraph():
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_compiled_matches_eager_fullgraph(scaling):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.SiLU(), nn.Linear(32, 64, bias=False))
-    convert_to_float8_training(model)
+    convert_to_float8_training(model, config=Float8Config(scaling=scaling))
     compiled = copy.deepcopy(model)
     compiled.compile(fullgraph=True)
     x, g = torch.randn(2, 16, 64), torch.randn(2, 16, 64)

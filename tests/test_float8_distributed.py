@@ -43,6 +43,9 @@ def _entry(rank: int, worker, port: int, out_dir: str, args) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Only after success: gloo's threads outlive destroy_process_group (torch 2.13) and can
+    # abort the interpreter's own teardown (SIGABRT) of a worker that has finished.
+    os._exit(0)
 
 
 def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
@@ -65,6 +68,18 @@ def _record_all_gathers(log: list) -> None:
             return _original(output, input, *args, **kwargs)
 
         setattr(dist, name, recording)
+
+
+def _count_all_reduces() -> list:
+    """Patch dist.all_reduce to count its calls: returns [count, the original function]."""
+    state = [0, dist.all_reduce]
+
+    def counting(*args, **kwargs):
+        state[0] += 1
+        return state[1](*args, **kwargs)
+
+    dist.all_reduce = counting
+    return state
 
 
 def _fsdp_train(all_gather: bool, steps: int = 4) -> dict:
@@ -94,18 +109,24 @@ def _fsdp_train(all_gather: bool, steps: int = 4) -> dict:
 
     log: list = []
     _record_all_gathers(log)
-    losses = []
+    all_reduces = _count_all_reduces()
+    losses, step_all_reduces, precompute_all_reduces = [], [], []
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     for _ in range(steps):
         x, target = torch.randn(16, 64, generator=gen), 0.1 * torch.randn(16, 32, generator=gen)
+        before = all_reduces[0]
         loss = ((model(x).float() - target) ** 2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
+        step_all_reduces.append(all_reduces[0] - before)
         if all_gather:
+            before = all_reduces[0]
             precompute_float8_scales_for_fsdp(model)
+            precompute_all_reduces.append(all_reduces[0] - before)
         dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
         losses.append(loss.item())
+    dist.all_reduce = all_reduces[1]
 
     sharded = get_model_state_dict(model)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -113,6 +134,8 @@ def _fsdp_train(all_gather: bool, steps: int = 4) -> dict:
     plain = plain and all(type(v) is torch.Tensor for v in full.values())
     return {
         "losses": losses,
+        "step_all_reduces": step_all_reduces,
+        "precompute_all_reduces": precompute_all_reduces,
         "all_gathers": sorted(set(log)),
         "weight_types": sorted(seen_weight_types),
         "plain_state_dict": plain,
@@ -135,6 +158,12 @@ def test_fsdp_float8_all_gather(tmp_path):
     shard_numels = {64 * 128 // WORLD, 64 * 32 // WORLD}
     assert set(map(tuple, on["all_gathers"])) == {("torch.uint8", n) for n in shard_numels}
     assert set(map(tuple, off["all_gathers"])) == {("torch.bfloat16", 2 * n) for n in shard_numels}
+    # Step 1 has no precomputed scales: one amax all-reduce per all-gather (3 layers, in
+    # forward and again in backward). Afterwards the all-gathers use the scales that one
+    # all-reduce after each step made.
+    assert on["step_all_reduces"] == [6, 0, 0, 0]
+    assert on["precompute_all_reduces"] == [1, 1, 1, 1]
+    assert off["step_all_reduces"] == [0, 0, 0, 0]
     assert on["weight_types"] == ["Float8GatheredWeight"]
     assert on["plain_state_dict"] and off["plain_state_dict"]
 
@@ -231,7 +260,11 @@ def test_tensor_parallel_float8_styles(tmp_path):
         tp_vs_f8, f8_vs_hp, tp_vs_hp = result[key]
         assert tp_vs_f8 >= 20 and tp_vs_hp >= 20, (key, result[key])
         assert tp_vs_hp >= f8_vs_hp - 3, (key, result[key])
-    collectives = dict(result["collectives"])
-    # Activation and gradient all-gathers move float8 bytes; reduce-scatters stay fp32.
-    assert collectives["all_gather_into_tensor"] == "torch.uint8"
-    assert collectives["reduce_scatter_tensor"] == "torch.float32"
+    collectives = {tuple(c) for c in result["collectives"] if c[0] != "_wrap_tensor_autograd"}
+    # Activation and gradient all-gathers move float8 bytes only (no high-precision one
+    # besides), reduce-scatters stay fp32, and the shared scales cost one fp32 amax all-reduce.
+    assert collectives == {
+        ("all_gather_into_tensor", "torch.uint8"),
+        ("reduce_scatter_tensor", "torch.float32"),
+        ("all_reduce", "torch.float32"),
+    }
