@@ -55,6 +55,11 @@ def test_resolved_config_round_trips(tmp_path):
         (["--parallelism.tensor_parallel_degree", "3", "--job.dry_run"], "tensor_parallel_degree = 3 must divide the number of heads (8)"),
         (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree must be -1 or positive"),
         (["stray"], "unexpected argument 'stray'"),
+        (["--optimizer.lr", "nan"], "--optimizer.lr must be a finite number, got nan"),
+        (["--optimizer.weight_decay", "inf"], "--optimizer.weight_decay must be a finite number, got inf"),
+        (["--training.seed", "99999999999999999999"], "--training.seed = 99999999999999999999 does not fit in 64 bits"),
+        (["--compile.mode", "model", "--parallelism.tensor_parallel_degree", "2"],
+         "compile.mode = 'model' does not work with tensor_parallel_degree > 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):
@@ -75,6 +80,8 @@ def test_malformed_toml_names_file_and_line(tmp_path):
 def test_toml_type_errors_name_key(tmp_path):
     with pytest.raises(UserError, match=r"training.batch_size in .* must be an integer"):
         build_config(["--config", _write(tmp_path, "[training]\nbatch_size = '8'\n")])
+    with pytest.raises(UserError, match=r"optimizer.lr in .* must be a finite number, got nan"):
+        build_config(["--config", _write(tmp_path, "[optimizer]\nlr = nan\n")])
     with pytest.raises(UserError, match=r"'training' must be a \[section\] table"):
         build_config(["--config", _write(tmp_path, "training = 3\n")])
 

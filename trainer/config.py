@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -225,6 +226,15 @@ def _type_name(tp: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[tp]
 
 
+def _in_range(value: int | float, where: str) -> int | float:
+    """Reject numbers no option can use: NaN and infinities, integers beyond 64 bits."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{where} must be a finite number, got {value}")
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise UserError(f"{where} = {value} does not fit in 64 bits")
+    return value
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check a TOML value (already typed) against the field type."""
     if typing.get_origin(tp) is list:
@@ -239,11 +249,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise UserError(f"{where} must be an integer, got {value!r}")
-        return value
+        return _in_range(value, where)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{where} must be a number, got {value!r}")
-        return float(value)
+        return _in_range(float(value), where)
     if not isinstance(value, str):
         raise UserError(f"{where} must be a string, got {value!r}")
     return value
@@ -267,12 +277,12 @@ def _parse_cli_value(text: str, tp: Any, where: str) -> Any:
         raise UserError(f"{where} must be true or false, got '{text}'")
     if tp is int:
         try:
-            return int(text)
+            return _in_range(int(text), where)
         except ValueError:
             raise UserError(f"{where} must be an integer, got '{text}'") from None
     if tp is float:
         try:
-            return float(text)
+            return _in_range(float(text), where)
         except ValueError:
             raise UserError(f"{where} must be a number, got '{text}'") from None
     return text
@@ -398,6 +408,13 @@ def validate(cfg: Config) -> None:
         raise UserError(f"optimizer.betas must be two numbers in [0, 1), got {cfg.optimizer.betas}")
     if not 0 <= cfg.lr_scheduler.min_lr_ratio <= 1:
         raise UserError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {cfg.lr_scheduler.min_lr_ratio}")
+    if cfg.compile.mode == "model" and cfg.parallelism.tensor_parallel_degree > 1:
+        # torch cannot compile the vocab-parallel embedding (its mask lives in DTensor
+        # placement metadata): "Mixing fake modes NYI", pytorch/torchtitan#534.
+        raise UserError(
+            "compile.mode = 'model' does not work with tensor_parallel_degree > 1 "
+            "(torch cannot compile the vocab-parallel embedding); use compile.mode = 'block'"
+        )
     dp = cfg.parallelism.data_parallel_shard_degree
     if dp == 0 or dp < -1:
         raise UserError(f"parallelism.data_parallel_shard_degree must be -1 or positive, got {dp}")
