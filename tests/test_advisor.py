@@ -128,6 +128,18 @@ def test_layers_skipped_by_size_but_not_by_filter():
     assert advise(_cfg(), CPU, only_filtered) == []
 
 
+def test_layers_filtered_beyond_the_default():
+    cfg = _cfg()
+    cfg.float8.filter_fqns = ["output", "wq"]
+    skipped = [("output", "filtered by filter_fqns")] + [
+        (f"layers.{i}.attention.wq", "filtered by filter_fqns") for i in range(5)
+    ]
+    note = _only(advise(cfg, CPU, SimpleNamespace(skipped=skipped)), "float8.filter_fqns keeps")
+    assert note.startswith("float8.filter_fqns keeps 5 more linear layers in high precision than the default ['output']")
+    assert "layers.0.attention.wq, layers.1.attention.wq" in note and note.endswith("no float8 speed-up")
+    assert "and 1 more" in note and "output," not in note
+
+
 @pytest.mark.slow
 def test_warning_reaches_the_user(tmp_path):
     result = run_train([
@@ -139,3 +151,10 @@ def test_warning_reaches_the_user(tmp_path):
     assert "warning:" not in result.stdout  # warnings go to stderr only
     # One process means no FSDP sharding: the all-gather advice would be noise here.
     assert "fsdp_float8_all_gather" not in result.stderr
+
+
+def test_dry_run_prints_the_warnings():
+    result = run_train(["--float8.enabled", "true", "--float8.filter_fqns", "output,wq", "--job.dry_run", "true"])
+    assert result.returncode == 0, result.stderr
+    assert "  warning: float8.enabled with compile.mode = 'none'" in result.stdout
+    assert "  warning: float8.filter_fqns keeps 4 more linear layers" in result.stdout

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import Config
+from trainer.config import Config, Float8TrainingConfig
 from trainer.errors import UserError
 
 # Below this many tokens per GPU per micro-batch the float8 GEMMs are too small to beat bf16.
@@ -60,7 +60,25 @@ def advise(
     skipped = getattr(float8_report, "skipped", None) or []
     not_filtered = [(fqn, why) for fqn, why in skipped if not any(s in fqn for s in f8.filter_fqns)]
     if not_filtered:
-        names = ", ".join(f"{fqn} ({why})" for fqn, why in not_filtered[:4])
-        more = f" and {len(not_filtered) - 4} more" if len(not_filtered) > 4 else ""
-        notes.append(f"{len(not_filtered)} linear layers stay in high precision: {names}{more}")
+        notes.append(
+            f"{len(not_filtered)} linear layers stay in high precision: "
+            + _first_four([f"{fqn} ({why})" for fqn, why in not_filtered])
+        )
+    # The output layer is filtered by default (float8 logits cost accuracy, gain little);
+    # anything more the user filtered out runs at bf16 speed, which is worth a reminder.
+    default_filter = Float8TrainingConfig().filter_fqns
+    user_filtered = [
+        fqn for fqn, _ in skipped
+        if any(s in fqn for s in f8.filter_fqns) and not any(s in fqn for s in default_filter)
+    ]
+    if user_filtered:
+        notes.append(
+            f"float8.filter_fqns keeps {len(user_filtered)} more linear layers in high precision than the "
+            f"default {default_filter}: {_first_four(user_filtered)}; they get no float8 speed-up"
+        )
     return notes
+
+
+def _first_four(names: list[str]) -> str:
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return ", ".join(names[:4]) + more
