@@ -1,5 +1,6 @@
 """Checkpoints end to end: exact resume (1 process, FSDP=2, across dp degrees), atomic saves,
-signals, async saves, keep_latest_k, load_step, damaged checkpoints, export and initial weights.
+signals, async saves, keep_latest_k, load_step, damaged or crafted checkpoints, export and
+initial weights.
 
 Runs are launched as a user would (train.py, torchrun) on the shipped tiny model and data.
 """
@@ -19,6 +20,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from tests.helpers import ROOT, free_port, read_metrics, run_train
 from trainer.checkpoint import CheckpointManager
@@ -36,8 +40,14 @@ BASE = [
 
 
 def losses(folder: Path) -> dict[int, float]:
-    """step -> loss; a step logged twice (re-run after a resume) keeps its last value."""
-    return {r["step"]: r["loss"] for r in read_metrics(folder)}
+    """step -> loss of metrics.jsonl, whose steps must follow each other (BASE logs every step).
+
+    A resumed run that left the killed run's rows in place would log a step twice.
+    """
+    rows = read_metrics(folder)
+    steps = [r["step"] for r in rows]
+    assert steps and steps == list(range(steps[0], steps[0] + len(steps))), steps
+    return {r["step"]: r["loss"] for r in rows}
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -142,35 +152,78 @@ def test_load_step_resumes_an_older_async_checkpoint(ref1, tmp_path):
     assert all(resumed[s] == losses(ref1)[s] for s in resumed)
 
 
-def test_kill9_during_save_leaves_previous_checkpoint(ref1, tmp_path):
-    """SIGKILL while step-N.partial is being written: step-(N-1) stays the latest and resumes exactly."""
+# train.py with a stall inside the save of step 5, at the point named by argv[1]: the process
+# sits there until the test kills it, so the kill always lands mid-save.
+_STALL_IN_SAVE = """
+import sys, time
+import train
+from trainer import checkpoint
+
+owner, name = (checkpoint.dcp, "save") if sys.argv[1] == "write" else (checkpoint.CheckpointManager, "_publish")
+real = getattr(owner, name)
+
+def stall(*args, **kwargs):
+    if any(str(a).endswith("step-5.partial") for a in [*args, *kwargs.values()]):
+        print("stalled in the save of step 5", flush=True)
+        time.sleep(600)
+    return real(*args, **kwargs)
+
+setattr(owner, name, stall)
+sys.exit(train.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("point", ["write", "publish"])
+def test_kill9_during_save_leaves_previous_checkpoint(ref1, tmp_path, point):
+    """SIGKILL before the shards of step-5.partial are written, or after but before its rename:
+    step-4 stays the latest, the resume is exact and metrics.jsonl loses the killed run's step 5."""
     folder = tmp_path / "checkpoints"
     args = [*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path),
             "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "3"]
-    for _ in range(3):  # the save may finish between seeing the folder and the kill; try again then
-        shutil.rmtree(tmp_path, ignore_errors=True)
-        tmp_path.mkdir()
-        proc = start_train(args, tmp_path / "leg1.log")
-
-        def partial_seen() -> bool:
-            return folder.is_dir() and any(p.name.endswith(".partial") and int(p.name[5:-8]) >= 4
-                                           for p in folder.iterdir())
-
-        wait_for(partial_seen, proc, poll=0.001)
-        proc.send_signal(signal.SIGKILL)
+    log = tmp_path / "leg1.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _STALL_IN_SAVE, point, *args], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "stalled in the save of step 5" in log.read_text(), proc)
+    finally:
+        proc.kill()  # SIGKILL, the crash under test; also ends a run that never stalled
         proc.wait()
-        names = os.listdir(folder)
-        if any(n.endswith(".partial") for n in names):
-            break
-    else:
-        pytest.skip("could not catch a save in progress")
-    (partial,) = [n for n in names if n.endswith(".partial")]
-    complete = sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit())
-    assert complete and max(complete) < int(partial[5:-8])
+    assert checkpoints(tmp_path) == ["step-2", "step-3", "step-4", "step-5.partial"]
+    assert (folder / "step-5.partial" / ".metadata").is_file() == (point == "publish")
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
     out = ok(run_train(args))
-    assert f"resumed from checkpoint at step {max(complete)}" in out
+    assert "resumed from checkpoint at step 4" in out
     assert losses(tmp_path) == losses(ref1)
     assert not [n for n in os.listdir(folder) if not n.startswith("step-") or not n[5:].isdigit()]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_stop_at_10_resume_to_20_is_bitwise(ref1, ref2, tmp_path, nproc):
+    """10 steps, then a run to 20 from the step-10 checkpoint: the losses of one 20-step run."""
+    ok(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path)], nproc=nproc))
+    assert checkpoints(tmp_path) == ["step-10"]
+    # What a run killed after its last checkpoint leaves: rows past it, the last one half-written.
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 11, "loss": 0.0}) + "\n" + '{"step": 12, "lo')
+    out = ok(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path)], nproc=nproc))
+    assert "resumed from checkpoint at step 10" in out
+    assert losses(tmp_path) == losses(ref1 if nproc == 1 else ref2)
+
+
+def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path):
+    log = tmp_path / "run.log"
+    proc = start_train([*BASE, "--checkpoint.enable", "false", "--training.steps", "20",
+                        "--job.dump_folder", str(tmp_path)], log)
+    wait_for(lambda: "step      3/20" in log.read_text(), proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "finishing this step, not saving (checkpointing disabled), then exiting" in text
+    assert "on request; no checkpoint (checkpointing disabled)" in text
+    assert "saving a checkpoint" not in text and "checkpoint saved" not in text
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_resume_on_another_dp_degree(ref2, tmp_path):
@@ -208,17 +261,94 @@ def _damage_extra(step: Path) -> list[str]:
     return []
 
 
+def _edit_extra(edit):
+    """A damage that rewrites extra.json as well-formed JSON with `edit` applied to its dict."""
+
+    def damage(step: Path) -> list[str]:
+        extra = json.loads((step / "extra.json").read_text())
+        edit(extra)
+        (step / "extra.json").write_text(json.dumps(extra))
+        return []
+
+    return damage
+
+
+def _damage_rng_folder(step: Path) -> list[str]:
+    shutil.rmtree(step / "rng")
+    return []
+
+
+def _damage_rng_file(step: Path) -> list[str]:
+    (step / "rng" / "rank-0.safetensors").unlink()
+    return []
+
+
 @pytest.mark.parametrize(("damage", "expected"), [
     (_damage_layers, "has 18 weights this model lacks, e.g. 'layers.2."),
     (_damage_truncate, "cannot be loaded"),
     (_damage_extra, "extra.json is missing"),
+    (_edit_extra(lambda e: e.update(train_state={})), "extra.json field 'train_state' lacks 'step'"),
+    (_edit_extra(lambda e: e["train_state"].update(step="x")),
+     "field 'train_state.step' must be an integer >= 0, got \"x\""),
+    (_edit_extra(lambda e: e["train_state"].update(step=7)), "'train_state.step' is 7, but the folder holds step 20"),
+    (_edit_extra(lambda e: e.update(optimizer_param_groups=[])),
+     "field 'optimizer_param_groups' must be a list of 2 parameter groups, got []"),
+    (_edit_extra(lambda e: e["optimizer_param_groups"][1].pop("betas")),
+     "field 'optimizer_param_groups[1]' lacks 'betas'"),
+    (_edit_extra(lambda e: e["lr_scheduler"].update(_last_lr=None)), "field 'lr_scheduler._last_lr' must be a list"),
+    (_edit_extra(lambda e: e.update(dataloader={})), "field 'dataloader' lacks '"),
+    (_edit_extra(lambda e: e["dataloader"]["dataset_state"].update(kind="sft")),
+     "field 'dataloader.dataset_state.kind' must be \"pretrain\", got \"sft\""),
+    (_edit_extra(lambda e: e.update(global_batch="4")), "field 'global_batch' must be an integer >= 1"),
+    (_damage_rng_folder, "is incomplete: rng/ is missing"),
+    (_damage_rng_file, "is incomplete: rng/rank-0.safetensors is missing"),
 ])
 def test_bad_checkpoint_is_one_line_exit_2(ref1, tmp_path, damage, expected):
     step = tmp_path / "checkpoints" / "step-20"
     shutil.copytree(ref1 / "checkpoints" / "step-20", step)
     extra_args = damage(step)
     line = one_error_line(run_train([*BASE, "--training.steps", "25", "--job.dump_folder", str(tmp_path), *extra_args]))
-    assert expected in line and "step-20" in line
+    assert expected in line and "step-20" in line, line
+
+
+class _Touch:
+    """Unpickling it runs `touch path`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _plant_pickle(step: Path, marker: Path) -> str:
+    """Mark an optimizer tensor of checkpoint `step` as bytes: a pickle that creates `marker`."""
+    md = read_dcp_metadata(step, "checkpoint")
+    key = next(k for k in md.state_dict_metadata if k.startswith("app.optimizer.state.") and k.endswith(".step"))
+    torch.save(_Touch(marker), step / "evil.bin")
+    md.state_dict_metadata[key] = BytesStorageMetadata()
+    for index in [i for i in md.storage_data if i.fqn == key]:
+        del md.storage_data[index]
+    md.storage_data[MetadataIndex(key)] = _StorageInfo("evil.bin", 0, (step / "evil.bin").stat().st_size)
+    with (step / ".metadata").open("wb") as f:
+        pickle.dump(md, f)
+    return key
+
+
+@pytest.mark.parametrize("how", ["resume", "initial_load"])
+def test_checkpoint_with_a_pickled_entry_is_refused(ref1, tmp_path, how):
+    """A .metadata that marks any entry (here an optimizer step) as bytes would make DCP unpickle it."""
+    step = tmp_path / "checkpoints" / "step-20"
+    shutil.copytree(ref1 / "checkpoints" / "step-20", step)
+    marker = tmp_path / "PWNED"
+    key = _plant_pickle(step, marker)
+    args = [*BASE, "--training.steps", "25", "--job.dump_folder", str(tmp_path)]
+    if how == "initial_load":
+        args += ["--job.dump_folder", str(tmp_path / "fresh"), "--checkpoint.initial_load_path", str(step),
+                 "--checkpoint.initial_load_format", "dcp"]
+    line = one_error_line(run_train(args))
+    assert f"step-20 refused: '{key}' is stored as BytesStorageMetadata, not a tensor" in line, line
+    assert not marker.exists()
 
 
 class _Payload:

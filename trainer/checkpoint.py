@@ -22,6 +22,7 @@ DCP would otherwise pickle non-tensor entries and load them with
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -59,7 +60,11 @@ if TYPE_CHECKING:
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _MODEL_PREFIX = "app.model."
-EXTRA_KEYS = ("train_state", "lr_scheduler", "optimizer_param_groups", "dataloader", "global_batch")
+EXTRA_KEYS = (
+    "train_state", "lr_scheduler", "optimizer_param_groups", "dataloader", "global_batch", "world_size", "dp", "tp",
+)
+# AdamW fills in its other hyperparameters (foreach, fused, amsgrad, ...) when a group lacks them.
+_GROUP_REQUIRED = ("params", "lr", "betas", "eps", "weight_decay")
 
 
 class _ModelAndOptimizer(Stateful):
@@ -134,6 +139,76 @@ def read_extra(path: Path) -> dict[str, Any]:
     if missing:
         raise UserError(f"checkpoint {path}: extra.json lacks '{missing[0]}'")
     return extra
+
+
+class _FieldError(Exception):
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"field '{where}' {problem}")
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def _check_like(value: Any, template: Any, where: str) -> None:
+    """`value`, read from JSON, has the structure and kinds of `template`, a live state_dict.
+
+    Integers must be >= 0: every integer in these states is a count or a position.
+    Strings must be equal: they name a data kind or a parameter.
+    """
+    if isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise _FieldError(where, f"must be an object, got {_show(value)}")
+        for key in template:
+            if key not in value:
+                raise _FieldError(where, f"lacks '{key}'")
+        for key in value:
+            if key not in template:
+                raise _FieldError(f"{where}.{key}", "is unknown to this trainer")
+        for key, sub in template.items():
+            _check_like(value[key], sub, f"{where}.{key}")
+    elif isinstance(template, (list, tuple)):
+        if not isinstance(value, list) or len(value) != len(template):
+            raise _FieldError(where, f"must be a list of {len(template)} entries, got {_show(value)}")
+        for i, (v, sub) in enumerate(zip(value, template)):
+            _check_like(v, sub, f"{where}[{i}]")
+    elif template is None:
+        if value is not None:
+            raise _FieldError(where, f"must be null, got {_show(value)}")
+    elif isinstance(template, bool):
+        if not isinstance(value, bool):
+            raise _FieldError(where, f"must be true or false, got {_show(value)}")
+    elif isinstance(template, int):
+        if type(value) is not int or value < 0:
+            raise _FieldError(where, f"must be an integer >= 0, got {_show(value)}")
+    elif isinstance(template, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _FieldError(where, f"must be a finite number, got {_show(value)}")
+    elif value != template:
+        raise _FieldError(where, f"must be {_show(template)}, got {_show(value)}")
+
+
+def _check_param_groups(groups: Any, template: list[dict[str, Any]], where: str) -> None:
+    """Saved optimizer param_groups against the live ones (from ``get_state_dict``)."""
+    if not isinstance(groups, list) or len(groups) != len(template):
+        raise _FieldError(where, f"must be a list of {len(template)} parameter groups, got {_show(groups)}")
+    for i, (group, live) in enumerate(zip(groups, template)):
+        here = f"{where}[{i}]"
+        if not isinstance(group, dict):
+            raise _FieldError(here, f"must be an object, got {_show(group)}")
+        for key in _GROUP_REQUIRED:
+            if key not in group:
+                raise _FieldError(here, f"lacks '{key}'")
+        for key, value in group.items():
+            if key not in live:
+                raise _FieldError(f"{here}.{key}", "is unknown to this optimizer")
+            if live[key] is None or isinstance(live[key], bool):
+                # Implementation flags (foreach, fused) may change between runs; AdamW takes either.
+                if value is not None and not isinstance(value, bool):
+                    raise _FieldError(f"{here}.{key}", f"must be true, false or null, got {_show(value)}")
+            else:
+                _check_like(value, live[key], f"{here}.{key}")
 
 
 class CheckpointManager:
@@ -275,18 +350,77 @@ class CheckpointManager:
         self.last_loaded = path
         return True
 
+    def _check_extra(self, path: Path, extra: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
+        """Every field of extra.json has the shape this run's objects load, checked before loading anything."""
+        t = self.trainer
+        step = int(_STEP_DIR.match(path.name).group(1))
+        try:
+            for key in ("global_batch", "world_size", "dp", "tp"):
+                if type(extra[key]) is not int or extra[key] < 1:
+                    raise _FieldError(key, f"must be an integer >= 1, got {_show(extra[key])}")
+            _check_like(extra["train_state"], t.state.state_dict(), "train_state")
+            _check_like(extra["lr_scheduler"], t.lr_scheduler.state_dict(), "lr_scheduler")
+            _check_param_groups(extra["optimizer_param_groups"], param_groups, "optimizer_param_groups")
+            _check_like(extra["dataloader"], t.dataloader.state_dict(), "dataloader")
+            # A checkpoint folder names the step it holds; another step means files were mixed up.
+            for key, value in (("train_state.step", extra["train_state"]["step"]),
+                               ("lr_scheduler.last_epoch", extra["lr_scheduler"]["last_epoch"])):
+                if value != step:
+                    raise _FieldError(key, f"is {value}, but the folder holds step {step}")
+        except _FieldError as e:
+            raise UserError(f"checkpoint {path}: extra.json {e}") from None
+
+    def _read_rng(self, path: Path, saved_world_size: int) -> dict[str, torch.Tensor] | None:
+        """This rank's RNG states, checked on every rank before anything loads (None: a rank the run lacked).
+
+        A rank that did not exist when the checkpoint was written (larger world) keeps its seed.
+        """
+        t = self.trainer
+        rank = t.dist.rank
+        rng_file = path / "rng" / f"rank-{rank}.safetensors"
+        rng = None
+        problem = ""
+        if not (path / "rng").is_dir():
+            problem = f"checkpoint {path} is incomplete: rng/ is missing"
+        elif rank < saved_world_size:
+            try:
+                rng = load_file(str(rng_file))
+            except FileNotFoundError:
+                problem = f"checkpoint {path} is incomplete: rng/{rng_file.name} is missing"
+            except Exception as e:
+                problem = f"checkpoint {rng_file} is unreadable: {describe_error(e)}"
+            else:
+                cpu = rng.get("cpu")
+                live = torch.get_rng_state()
+                cuda = rng.get("cuda") if t.device.type == "cuda" else None
+                if cpu is None or cpu.dtype != live.dtype or cpu.shape != live.shape:
+                    problem = f"checkpoint {rng_file} holds no CPU generator state"
+                elif cuda is not None and (cuda.dtype != torch.uint8 or cuda.dim() != 1):
+                    problem = f"checkpoint {rng_file} holds a damaged CUDA generator state"
+        # Every rank must stop together, or the others would wait in the load's collectives.
+        problems = [""] * t.dist.world_size
+        dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p), "")
+        if first:
+            raise UserError(first)
+        return rng
+
     def _load(self, path: Path) -> None:
         t = self.trainer
+        # Everything is checked before anything loads, so a refused checkpoint leaves no half-loaded state.
         extra = read_extra(path)
         metadata = read_dcp_metadata(path, "checkpoint")
+        model_sd, optim_sd = get_state_dict(t.model, t.optimizer)
+        expected = {k: v.shape for k, v in model_sd.items()}
+        check_model_keys(expected, dcp_model_shapes(metadata, _MODEL_PREFIX), f"checkpoint {path}")
+        self._check_extra(path, extra, optim_sd["param_groups"])
         if extra["global_batch"] != self._global_batch():
             raise UserError(
                 f"checkpoint {path} was written with a global batch of {extra['global_batch']} sequences, "
                 f"this run uses {self._global_batch()} (training.batch_size x dp x gradient_accumulation_steps); "
                 "resuming would change the data order, so set them to give the same global batch"
             )
-        expected = {k: v.shape for k, v in get_model_state_dict(t.model).items()}
-        check_model_keys(expected, dcp_model_shapes(metadata, _MODEL_PREFIX), f"checkpoint {path}")
+        rng = self._read_rng(path, extra["world_size"])
         groups = _param_groups_from_json(extra["optimizer_param_groups"])
         app = _ModelAndOptimizer(t.model, t.optimizer, param_groups_to_load=groups)
         try:
@@ -298,13 +432,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             raise UserError(f"checkpoint {path} cannot be loaded: {describe_error(e)}") from None
         t.state.load_state_dict(extra["train_state"])
-        rng_file = path / "rng" / f"rank-{t.dist.rank}.safetensors"
-        # A rank that did not exist when the checkpoint was written (larger world) keeps its seed.
-        if rng_file.is_file():
-            try:
-                rng = load_file(str(rng_file))
-            except Exception as e:
-                raise UserError(f"checkpoint {rng_file} is unreadable: {describe_error(e)}") from None
+        if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and t.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], t.device)

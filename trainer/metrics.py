@@ -8,6 +8,7 @@ so float8 runs can exceed what the bf16 peak suggests: that is the point of floa
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -65,11 +66,37 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def _keep_rows_up_to(path: Path, last_step: int) -> None:
+    """Rewrite a metrics.jsonl atomically with only the rows of steps <= `last_step`.
+
+    A run resumed from step k logs steps k+1.. again; the killed run's rows for them would
+    otherwise stay as duplicates. A line that does not parse is the killed run's last write.
+    """
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and type(row.get("step")) is int and row["step"] <= last_step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
-    """Writes one record per logged step to the console, metrics.jsonl and TensorBoard (rank 0 only)."""
+    """Writes one record per logged step to the console, metrics.jsonl and TensorBoard (rank 0 only).
+
+    `resume_step` is the step a resumed run continues after: metrics.jsonl and TensorBoard keep
+    what was logged up to it and drop the rest. Without it (a fresh start) both start empty, so
+    an old run in the same dump folder and run name does not mix in.
+    """
 
     def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, is_main: bool,
-                 config_text: str = "") -> None:
+                 config_text: str = "", resume_step: int | None = None) -> None:
         self.is_main = is_main
         self._jsonl = None
         self._tb = None
@@ -77,13 +104,24 @@ class MetricsLogger:
             return
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (folder / "metrics.jsonl").open("a")
+        jsonl = folder / "metrics.jsonl"
+        if resume_step is None:
+            self._jsonl = jsonl.open("w")
+        else:
+            _keep_rows_up_to(jsonl, resume_step)
+            self._jsonl = jsonl.open("a")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(folder / "tb" / run_name))
+            tb_dir = folder / "tb" / run_name
+            if resume_step is None:
+                for old in tb_dir.glob("events.out.tfevents.*"):
+                    old.unlink()
+            first_step = 0 if resume_step is None else resume_step + 1
+            # purge_step makes TensorBoard discard the killed run's events from first_step on.
+            self._tb = SummaryWriter(str(tb_dir), purge_step=None if resume_step is None else first_step)
             if config_text:
-                self._tb.add_text("config", "```\n" + config_text + "\n```", 0)
+                self._tb.add_text("config", "```\n" + config_text + "\n```", first_step)
             self._tb.add_custom_scalars(_dashboard_layout())
 
     def log(self, record: dict[str, Any], total_steps: int, eta_s: float | None = None) -> None:

@@ -1,10 +1,10 @@
 """Model weights outside the training state: DCP reading without pickles, initial weights, exports.
 
-DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` and loads
-non-tensor entries with ``torch.load(weights_only=False)``. Our checkpoints hold only
-tensors (non-tensor state is JSON, see ``trainer/checkpoint.py``) and
-:class:`SafeFileSystemReader` unpickles the metadata through an allowlist, so reading
-a checkpoint never runs code from the file.
+DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` and its default
+planner loads non-tensor ("bytes") entries with ``torch.load(weights_only=False)``. Our
+checkpoints hold only tensors (non-tensor state is JSON, see ``trainer/checkpoint.py``):
+:class:`SafeFileSystemReader` unpickles the metadata through an allowlist and refuses a
+checkpoint with any non-tensor entry, so reading a checkpoint never runs code from the file.
 """
 
 from __future__ import annotations
@@ -60,14 +60,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected object {module}.{name} in checkpoint metadata")
 
 
+class UnsafeCheckpointError(Exception):
+    """A DCP checkpoint with an entry that loading would unpickle."""
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose metadata is unpickled through an allowlist of DCP's own types."""
+    """FileSystemReader that unpickles metadata through an allowlist and refuses non-tensor entries.
+
+    Every DCP load (resume and initial weights) reads the metadata through this class on
+    every rank, and DCP's planner only unpickles entries the metadata marks as bytes, so
+    refusing those here covers model, optimizer and any other key.
+    """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with open(Path(self.path) / ".metadata", "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}, not DCP metadata")
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                raise UnsafeCheckpointError(
+                    f"'{key}' is stored as {type(md).__name__}, not a tensor; loading it would unpickle "
+                    "it with torch.load(weights_only=False), and this trainer writes tensors only"
+                )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -92,6 +107,8 @@ def read_dcp_metadata(path: str | Path, what: str) -> Metadata:
         raise UserError(f"{what} {path} is not a complete DCP checkpoint (no .metadata)")
     try:
         return SafeFileSystemReader(str(path)).read_metadata()
+    except UnsafeCheckpointError as e:
+        raise UserError(f"{what} {path} refused: {e}") from None
     except Exception as e:
         raise UserError(f"{what} {path}: unreadable .metadata ({describe_error(e)})") from None
 
