@@ -1,42 +1,55 @@
-"""Convert LLaMA-2 weights between Hugging Face, Meta and this trainer's state dict.
+"""Convert LLaMA-2 weights between Hugging Face, Meta, trainer checkpoints and state-dict files.
 
     python scripts/convert_weights.py --from hf --to torch Llama-2-7b-hf llama2_7b.safetensors
     python scripts/convert_weights.py --from meta --to hf llama-2-13b/ llama-2-13b-hf/ --dtype bf16
     python scripts/convert_weights.py --from torch --to hf --flavor 7B model.pt out-hf/
+    python scripts/convert_weights.py --from dcp --to hf --flavor 7B outputs/sft/checkpoints/step-600 sft-hf/
+    python scripts/convert_weights.py --from hf --to dcp Llama-2-7b-hf llama2-7b-dcp/
 
-hf and meta are directories; torch is one file (.safetensors, or .pt of plain tensors), which
-carries no config: give its --flavor (vocab_size is taken from the weights).
+hf and meta are directories; torch is one file (.safetensors, or .pt of plain tensors); dcp is a
+trainer checkpoint (checkpoints/step-N, of which only the model is read) or a model-only DCP
+folder, which --to dcp writes for `train.py --checkpoint.initial_load_path DIR
+--checkpoint.initial_load_format dcp`. torch and dcp weights carry no config: give their
+--flavor (vocab_size and the number of layers are taken from the weights).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.llama import LLAMA2_FLAVORS, LlamaArgs
+from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
 from models.llama.weights import StateDict, WeightsError, check_state_dict
 from models.llama.weights_io import FORMATS, load_tensor_file, read_weights, write_weights
+from trainer.errors import UserError
+from trainer.weights import DCP_MODEL_PREFIXES, dcp_model_shapes, load_dcp_model, read_dcp_metadata
 
+ALL_FORMATS = (*FORMATS, "dcp")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--from", dest="src_format", choices=FORMATS, required=True)
-    parser.add_argument("--to", dest="dst_format", choices=FORMATS, required=True)
+    parser.add_argument("--from", dest="src_format", choices=ALL_FORMATS, required=True)
+    parser.add_argument("--to", dest="dst_format", choices=ALL_FORMATS, required=True)
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast all weights (default: keep)")
     parser.add_argument(
-        "--flavor", choices=sorted(LLAMA2_FLAVORS), help="model shape of a torch SRC"
+        "--flavor", choices=sorted(LLAMA2_FLAVORS), help="model shape of a torch or dcp SRC"
     )
     parser.add_argument(
         "--num-shards", type=int, default=1, help="model-parallel shards for --to meta"
@@ -44,13 +57,57 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _torch_source_args(state_dict: StateDict, flavor: str | None) -> LlamaArgs:
+def _flavor_args(shapes: Mapping[str, Sequence[int]], flavor: str | None, fmt: str) -> LlamaArgs:
+    """Args of config-less weights: the flavour's, with vocab_size and n_layers from ``shapes``."""
     if flavor is None:
-        raise WeightsError("--from torch needs --flavor (a torch state dict carries no config)")
-    # The trainer sizes the vocabulary from its tokenizer, so trust the weights over the flavour.
-    embeddings = state_dict.get("tok_embeddings.weight")
-    args = LLAMA2_FLAVORS[flavor]
-    return args if embeddings is None else dataclasses.replace(args, vocab_size=embeddings.shape[0])
+        raise WeightsError(f"--from {fmt} needs --flavor (its weights carry no config)")
+    # The trainer sizes the vocabulary from its tokenizer and may cut layers (model.n_layers),
+    # so trust the weights over the flavour for both.
+    changes = {}
+    if "tok_embeddings.weight" in shapes:
+        changes["vocab_size"] = shapes["tok_embeddings.weight"][0]
+    layers = [int(m.group(1)) for key in shapes if (m := _LAYER_KEY.match(key))]
+    if layers:
+        changes["n_layers"] = max(layers) + 1
+    return dataclasses.replace(LLAMA2_FLAVORS[flavor], **changes)
+
+
+def read_dcp(path: Path, flavor: str | None) -> tuple[LlamaArgs, StateDict]:
+    """The model of a DCP checkpoint, read with the trainer's reader (nothing is unpickled)."""
+    if not path.is_dir():
+        raise WeightsError(f"{path}: directory not found")
+    metadata = read_dcp_metadata(path, "--from dcp")
+    prefix = next(
+        (p for p in DCP_MODEL_PREFIXES if p + "tok_embeddings.weight" in metadata.state_dict_metadata),
+        None,
+    )
+    if prefix is None:
+        raise WeightsError(f"{path}: no model weights (no tok_embeddings.weight) in this checkpoint")
+    shapes = dcp_model_shapes(metadata, prefix)
+    args = _flavor_args(shapes, flavor, "dcp")
+    check_state_dict(
+        {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}, args, str(path)
+    )
+    # Keep the stored dtype (the trainer stores fp32 master weights); --dtype casts later.
+    dtype = metadata.state_dict_metadata[prefix + "tok_embeddings.weight"].properties.dtype
+    with torch.device("meta"):
+        model = Transformer(args).to(dtype)
+    model.to_empty(device="cpu")
+    load_dcp_model(model, path, what="--from dcp")
+    return args, model.state_dict()
+
+
+def write_dcp(state_dict: StateDict, args: LlamaArgs, path: Path) -> None:
+    """A model-only DCP folder (bare keys, like torchtitan's seed checkpoints)."""
+    check_state_dict(state_dict, args)
+    with warnings.catch_warnings():
+        # DCP warns that it "assumes" a single process; here that is the point.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(
+            {key: t.contiguous() for key, t in state_dict.items()},
+            checkpoint_id=str(path),
+            no_dist=True,
+        )
 
 
 def convert(opts: argparse.Namespace) -> None:
@@ -60,20 +117,25 @@ def convert(opts: argparse.Namespace) -> None:
         raise WeightsError("--num-shards must be >= 1 and only applies to --to meta")
     if opts.src_format == "torch":
         state_dict = load_tensor_file(opts.src)
-        args = _torch_source_args(state_dict, opts.flavor)
+        args = _flavor_args({k: t.shape for k, t in state_dict.items()}, opts.flavor, "torch")
         check_state_dict(state_dict, args, str(opts.src))
+    elif opts.src_format == "dcp":
+        args, state_dict = read_dcp(opts.src, opts.flavor)
     else:
         args, state_dict = read_weights(opts.src_format, opts.src)
     if opts.dtype is not None:
         state_dict = {key: t.to(DTYPES[opts.dtype]) for key, t in state_dict.items()}
-    write_weights(opts.dst_format, state_dict, args, opts.dst, num_shards=opts.num_shards)
+    if opts.dst_format == "dcp":
+        write_dcp(state_dict, args, opts.dst)
+    else:
+        write_weights(opts.dst_format, state_dict, args, opts.dst, num_shards=opts.num_shards)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     try:
         convert(opts)
-    except (WeightsError, OSError) as e:
+    except (WeightsError, UserError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {opts.dst_format} weights to {opts.dst}")

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,7 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from models.llama import LLAMA2_FLAVORS, Transformer
 from trainer.data import IGNORE_INDEX, build_dataloader
 from trainer.errors import UserError
 from trainer.sft_data import (
@@ -168,6 +171,54 @@ def test_packed_equals_unpacked(tok: Tokenizer, tmp_path: Path) -> None:
         assert set(batch) == {"input_ids", "labels", "position_ids", "document_ids"}
         packed += unpack(batch)
     assert packed[:40] == unpacked
+
+
+def per_sample_loss(model: Transformer, batch: dict[str, torch.Tensor], masked: bool = True) -> list[float]:
+    """Summed loss of each sample in a batch, with the model fed as Trainer._loss_sum feeds it."""
+    keys = ("position_ids", "document_ids") if masked else ("position_ids",)
+    with torch.no_grad():
+        logits = model(batch["input_ids"], **{k: batch[k] for k in keys if k in batch})
+    labels = batch["labels"]
+    token_loss = F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view_as(labels)
+    # unpacked rows are one document each
+    docs = batch.get("document_ids", torch.zeros_like(labels))
+    losses = []
+    for row in range(labels.shape[0]):
+        for d in docs[row].unique().tolist():
+            sel = docs[row] == d
+            if (labels[row][sel] != IGNORE_INDEX).any():  # not the padding tail
+                losses.append(token_loss[row][sel].double().sum().item())
+    return losses
+
+
+def test_packed_and_unpacked_give_the_same_per_sample_model_loss(tok: Tokenizer, tmp_path: Path) -> None:
+    n = 12
+    path = write_jsonl(tmp_path / "t.jsonl", rows_of_tasks(n))
+    args = dataclasses.replace(LLAMA2_FLAVORS["debug"], n_layers=2)
+    assert tok.n_words <= args.vocab_size
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        # Default inits attend almost uniformly; large weights make a leak across samples visible.
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 1.0 if "embeddings" in name else 0.1)
+
+    unpacked_batch = next(iter(sft_loader(tok, path, pack=False, batch_size=n, shuffle=False)))
+    unpacked = per_sample_loss(model, unpacked_batch)
+    packed, leaky = [], []
+    it = iter(sft_loader(tok, path, pack=True, seq_len=64, batch_size=2, shuffle=False))
+    while len(packed) < n:
+        batch = next(it)
+        assert batch["document_ids"].amax(1).gt(1).any()  # several samples share a row
+        packed += per_sample_loss(model, batch)
+        leaky += per_sample_loss(model, batch, masked=False)
+    assert len(unpacked) == n
+    torch.testing.assert_close(packed[:n], unpacked, rtol=1e-5, atol=0)
+    # ... and the check would catch attention across samples.
+    assert max(abs(a - b) / b for a, b in zip(leaky[:n], unpacked)) > 1e-2
 
 
 def test_unpacked_padding(tok: Tokenizer, tmp_path: Path) -> None:

@@ -249,6 +249,36 @@ def test_heads_mismatch_with_target_model(tmp_path: Path) -> None:
         read_weights("meta", tmp_path, other)
 
 
+@pytest.mark.parametrize("fmt", ["hf", "meta"])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dim": 128}, "dim is 128 in the checkpoint, 64 in the model"),
+        ({"n_layers": 3}, "n_layers is 3 in the checkpoint, 2 in the model"),
+        ({"n_kv_heads": 4}, "n_kv_heads is 4 in the checkpoint, 2 in the model"),
+        ({"vocab_size": 256}, "vocab_size is 256 in the checkpoint, 128 in the model"),
+        ({"ffn_dim_multiplier": 1.5}, "hidden_dim is 256 in the checkpoint, 192 in the model"),
+        ({"norm_eps": 1e-6}, "norm_eps is 1e-06 in the checkpoint, 1e-05 in the model"),
+        ({"rope_theta": 500000.0}, "rope_theta is 500000.0 in the checkpoint, 10000.0 in the model"),
+    ],
+)
+def test_config_mismatch_with_target_model_is_named(
+    tmp_path: Path, fmt: str, change: dict[str, float], message: str
+) -> None:
+    # Same-shaped weights under another norm_eps or rope_theta are still another model.
+    theirs = dataclasses.replace(TINY, **change)
+    write_weights(fmt, random_state_dict(theirs), theirs, tmp_path)
+    with pytest.raises(WeightsError, match=rf"^{tmp_path}: {message}$"):
+        read_weights(fmt, tmp_path, TINY)
+
+
+def test_config_eps_rounded_through_float32_still_matches(tmp_path: Path) -> None:
+    write_weights("hf", random_state_dict(), TINY, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 9.999999747378752e-06}))
+    read_weights("hf", tmp_path, TINY)
+
+
 class NotATensor:
     pass
 

@@ -75,6 +75,24 @@ def test_dtype_cast(tmp_path: Path, debug_state_dict: dict[str, torch.Tensor]) -
     assert {t.dtype for t in state_dict.values()} == {torch.bfloat16}
 
 
+def test_dcp_round_trip_keeps_weights_and_dtype(
+    tmp_path: Path, debug_state_dict: dict[str, torch.Tensor]
+) -> None:
+    # Two layers of the debug flavour, as model.n_layers = 2 trains it: the depth comes from the weights.
+    shallow = dataclasses.replace(DEBUG, n_layers=2)
+    two_layers = {k: v for k, v in debug_state_dict.items() if not k.startswith(("layers.2.", "layers.3."))}
+    write_weights("torch", two_layers, shallow, tmp_path / "model.safetensors")
+    steps = [
+        ["--from", "torch", "--to", "dcp", "--flavor", "debug", "--dtype", "bf16",
+         str(tmp_path / "model.safetensors"), str(tmp_path / "dcp")],
+        ["--from", "dcp", "--to", "torch", "--flavor", "debug", str(tmp_path / "dcp"), str(tmp_path / "back.pt")],
+    ]  # fmt: skip
+    for argv in steps:
+        assert main(argv) == 0, argv
+    _, state_dict = read_weights("torch", tmp_path / "back.pt", shallow)
+    assert_same(state_dict, {k: v.bfloat16() for k, v in two_layers.items()})
+
+
 def test_reads_pytorch_model_bin(tmp_path: Path, debug_state_dict: dict[str, torch.Tensor]) -> None:
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
@@ -94,10 +112,15 @@ def test_bad_inputs_exit_2_with_one_line(
         "directory not found": ["--from", "hf", "--to", "torch", str(tmp_path / "nope"), str(tmp_path / "a.pt")],
         "needs --flavor": ["--from", "torch", "--to", "hf", str(tmp_path / "model.pt"), str(tmp_path / "b")],
         "already exists": ["--from", "torch", "--to", "hf", "--flavor", "debug", str(tmp_path / "model.pt"), str(tmp_path / "taken")],
-        "missing key 'layers.4.attention.wq.weight'": [
+        "'tok_embeddings.weight' has shape (2048, 256), the model expects (2048, 4096)": [
             "--from", "torch", "--to", "hf", "--flavor", "7B", str(tmp_path / "model.pt"), str(tmp_path / "c"),
         ],
+        "--from dcp needs --flavor": ["--from", "dcp", "--to", "hf", str(tmp_path / "dcp"), str(tmp_path / "d")],
+        "is not a complete DCP checkpoint (no .metadata)": [
+            "--from", "dcp", "--to", "hf", "--flavor", "debug", str(tmp_path / "taken"), str(tmp_path / "e"),
+        ],
     }  # fmt: skip
+    assert main(["--from", "torch", "--to", "dcp", "--flavor", "debug", str(tmp_path / "model.pt"), str(tmp_path / "dcp")]) == 0
     for message, argv in cases.items():
         assert main(argv) == 2, argv
         err = capsys.readouterr().err

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from models.llama import LlamaArgs, Transformer
-from models.llama.weights import hf_config_from_args, hf_to_llama
-from models.llama.weights_io import read_weights, write_hf
+from models.llama.weights import hf_config_from_args
+from models.llama.weights_io import load_tensor_file, read_weights, write_hf
+from scripts.convert_weights import main as convert_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,12 +36,16 @@ def hf_logits(model: torch.nn.Module, tokens: torch.Tensor, **kwargs: torch.Tens
         return model(input_ids=tokens, use_cache=False, **kwargs).logits
 
 
-def test_import_from_transformers_gives_same_logits() -> None:
+def test_import_from_transformers_gives_same_logits(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(**hf_config_from_args(TINY))
     hf = transformers.LlamaForCausalLM(config).float().eval()
     randomize_(hf)
+    # What a user does: transformers writes the folder, the script converts it.
+    hf.save_pretrained(tmp_path / "hf")
+    argv = ["--from", "hf", "--to", "torch", str(tmp_path / "hf"), str(tmp_path / "ours.safetensors")]
+    assert convert_weights(argv) == 0
     ours = Transformer(TINY).eval()
-    ours.load_state_dict(hf_to_llama(hf.state_dict(), TINY))
+    ours.load_state_dict(load_tensor_file(tmp_path / "ours.safetensors"))
 
     tokens = torch.randint(0, TINY.vocab_size, (2, 20))
     # Offsets only: transformers 5 reads any other jump in position_ids as a new packed document.

@@ -6,6 +6,7 @@ format (safetensors, torch.save, DCP) can sit in front of them. Our keys are Met
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -76,6 +77,35 @@ def check_state_dict(
 ) -> None:
     """Raise WeightsError unless ``state_dict`` has exactly our keys with the shapes of ``args``."""
     _check(state_dict, expected_shapes(args), where)
+
+
+# What a config file fixes about the model, in the order a mismatch is reported.
+# max_seq_len is left out: the rope table is recomputed for any length.
+_CONFIG_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "hidden_dim",
+    "norm_eps",
+    "rope_theta",
+)
+
+
+def check_args_match(file_args: LlamaArgs, args: LlamaArgs, where: str) -> None:
+    """Raise WeightsError naming the first hyperparameter where the weights' config and the model differ.
+
+    Weights of the right shapes still make a different model under another rope_theta or
+    norm_eps, so shapes alone are not enough.
+    """
+    for field in _CONFIG_FIELDS:
+        ours, theirs = getattr(args, field), getattr(file_args, field)
+        # Configs written through float32 carry eps like 9.999999747378752e-06 for 1e-5.
+        if not math.isclose(theirs, ours, rel_tol=1e-6):
+            raise WeightsError(
+                f"{where}: {field} is {theirs} in the checkpoint, {ours} in the model"
+            )
 
 
 def hf_key(key: str) -> str:

@@ -24,6 +24,7 @@ from .weights import (
     WeightsError,
     args_from_hf_config,
     args_from_meta_params,
+    check_args_match,
     check_state_dict,
     hf_config_from_args,
     hf_to_llama,
@@ -131,7 +132,8 @@ def read_weights(
     """Our state dict from any format, checked against ``args`` (the model it will load into).
 
     ``args`` is required for ``torch`` files, which carry no config. For ``hf``/``meta`` the
-    returned args are the checkpoint's; ``args`` only adds the check that the weights fit it.
+    returned args are the checkpoint's; ``args`` adds the checks that its config (shapes,
+    norm_eps, rope_theta) and its weights fit the model.
     """
     if fmt == "torch":
         if args is None:
@@ -146,12 +148,7 @@ def read_weights(
     else:
         raise WeightsError(f"unknown weights format {fmt!r} (expected one of {', '.join(FORMATS)})")
     if args is not None:
-        for field in ("n_heads", "n_kv_heads"):
-            if getattr(file_args, field) != getattr(args, field):
-                raise WeightsError(
-                    f"{path}: {field} is {getattr(file_args, field)} in the checkpoint, "
-                    f"{getattr(args, field)} in the model"
-                )
+        check_args_match(file_args, args, str(path))
         check_state_dict(state_dict, args, str(path))
     return file_args, state_dict
 
