@@ -26,13 +26,15 @@ def main(argv: list[str] | None = None) -> int:
 
             print_plan(cfg)
             return 0
+        from trainer import distributed
         from trainer.trainer import Trainer
 
-        trainer = Trainer(cfg)
+        clean = False
         try:
-            trainer.train()
+            Trainer(cfg).train()
+            clean = True
         finally:
-            trainer.close()
+            distributed.shutdown(clean)
     except UserError as e:
         # Under torchrun every rank hits the same problem; one line is enough.
         if os.environ.get("RANK", "0") == "0":
@@ -42,4 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # gloo's worker threads outlive destroy_process_group (torch 2.13) and can abort the
+    # interpreter's teardown ("terminate called without an active exception", SIGABRT)
+    # after a run that has finished and closed its files: leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -20,6 +20,10 @@ def test_short_run_writes_outputs_and_loss_falls(tmp_path):
         assert set(METRIC_KEYS) <= set(row), set(METRIC_KEYS) - set(row)
         assert row["mfu_pct"] is None  # CPU: no known peak
         assert row["tps"] > 0 and row["tflops"] > 0 and math.isfinite(row["loss"])
+        # The step splits into data, forward+backward and optimizer time.
+        parts = row["data_time_s"] + row["fwd_bwd_time_s"] + row["optim_time_s"]
+        assert row["fwd_bwd_time_s"] > 0 and row["optim_time_s"] > 0
+        assert math.isclose(parts, row["step_time_s"], rel_tol=1e-6)
     assert rows[-1]["tokens_seen"] == 30 * 8 * 128
     assert rows[-1]["data/epoch"] >= 0
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, [r["loss"] for r in rows]
@@ -40,7 +44,8 @@ def test_tensorboard_tags_match_metric_keys(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for key in ("throughput/tps", "throughput/tflops", "loss/loss", "loss/grad_norm", "loss/lr",
-                "memory/peak_active_gib", "time/step_time_s", "time/data_time_s"):
+                "memory/peak_active_gib", "time/step_time_s", "time/data_time_s", "time/fwd_bwd_time_s",
+                "time/optim_time_s"):
         assert key in tags, (key, tags)
     assert acc.Scalars("loss/loss")[0].step == 1
 
@@ -64,3 +69,20 @@ def test_missing_tokenizer_exits_2(tmp_path):
     result = run_train(["--job.dump_folder", str(tmp_path), "--model.tokenizer_path", str(tmp_path / "t.model")])
     assert result.returncode == 2
     assert "t.model" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_empty_dataset_exits_2(tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    result = run_train(["--job.dump_folder", str(tmp_path / "o"), "--data.path", str(data)])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "empty.jsonl" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_missing_text_field_names_file_and_line(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    result = run_train(["--job.dump_folder", str(tmp_path / "o"), "--data.path", str(data)])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "d.jsonl:2" in result.stderr and "text" in result.stderr and "Traceback" not in result.stderr

@@ -41,6 +41,11 @@ def pick_device_type(requested: str) -> str:
     return requested
 
 
+def planned_world_size() -> int:
+    """torchrun's WORLD_SIZE, known before the process group exists; 1 when run directly."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
     """Join torchrun's process group, or create a one-rank group when run directly."""
     if "RANK" not in os.environ:
@@ -66,7 +71,13 @@ def build_mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def shutdown() -> None:
+def shutdown(clean: bool) -> None:
+    """Tear the process group down; `clean` (every rank finished) waits for the others first.
+
+    After an error on some ranks a barrier could wait out the whole timeout for ranks
+    that will never reach it, so only a clean exit synchronises.
+    """
     if dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

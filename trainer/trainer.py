@@ -83,15 +83,16 @@ class Trainer:
         device_type = distributed.pick_device_type(cfg.training.device)
         if device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("training.device = 'cuda' but no CUDA device is available")
+        # Checks that need no process group come first: a bad layout or tokenizer then
+        # fails on every rank before any rank waits for the others.
+        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        self.model_args = model_args_for(cfg, self.tokenizer.n_words)
+        dp, tp = check_layout(cfg, distributed.planned_world_size(), self.model_args.n_heads, self.model_args.n_kv_heads)
+        self.dp, self.tp = dp, tp
         self.dist = distributed.init_distributed(device_type)
         self.device = self.dist.device
         self.is_main = self.dist.is_main
         seed_everything(cfg.training.seed, cfg.training.deterministic)
-
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
-        self.model_args = model_args_for(cfg, self.tokenizer.n_words)
-        dp, tp = check_layout(cfg, self.dist.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
-        self.dp, self.tp = dp, tp
         self.mesh = distributed.build_mesh(device_type, dp, tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()
 
@@ -108,6 +109,8 @@ class Trainer:
             cfg.training.seq_len,
         )
         self.n_params = num_params(model)
+        # Before any weight is allocated: advise() refuses float8 on GPUs without float8 GEMMs.
+        self.advice = advise(cfg, self.device, self.float8_report, dp, tp)
         self.model = parallelize_llama(model, self.mesh, cfg)
         self._materialize()
 
@@ -170,8 +173,10 @@ class Trainer:
             logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100, reduction="sum"
         )
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over the micro-batches; returns (mean loss, grad norm)."""
+    def train_step(
+        self, micro_batches: list[dict[str, torch.Tensor]], timer: StepTimer
+    ) -> tuple[float, float, float]:
+        """One optimizer step over the micro-batches: (mean loss, grad norm, when backward ended)."""
         cfg = self.cfg
         micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         # The loss is a mean over every target token of the global batch, so the same
@@ -190,6 +195,7 @@ class Trainer:
             (loss_sum * (self.dp / n_tokens.item())).backward()
             loss_total += loss_sum.detach().double()
         dist.all_reduce(loss_total, group=dp_group)
+        t_backward = timer.now()
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
@@ -201,7 +207,7 @@ class Trainer:
             from float8 import precompute_float8_scales_for_fsdp
 
             precompute_float8_scales_for_fsdp(self.model)
-        return (loss_total / n_tokens).item(), float(grad_norm)
+        return (loss_total / n_tokens).item(), float(grad_norm), t_backward
 
     def _data_stats(self) -> dict[str, int]:
         """Epoch and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
@@ -213,8 +219,8 @@ class Trainer:
         def request_stop(signum, frame):
             self._stop_requested = True
             if self.is_main:
-                print(f"received signal {signum}: finishing this step, saving a checkpoint, then exiting",
-                      flush=True)
+                then = "saving a checkpoint" if self.cfg.checkpoint.enable else "not saving (checkpointing disabled)"
+                print(f"received signal {signum}: finishing this step, {then}, then exiting", flush=True)
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
@@ -231,13 +237,13 @@ class Trainer:
             dump.mkdir(parents=True, exist_ok=True)
             (dump / "config.toml").write_text(to_toml(cfg))
             self._startup_summary()
-            for message in advise(cfg, self.device, self.float8_report, self.dp, self.tp):
+            for message in self.advice:
                 warn(message)
         resumed = self.checkpointer.load_latest()
         if resumed and self.is_main:
             print(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})", flush=True)
         logger = MetricsLogger(str(dump), self.run_name(), cfg.metrics.enable_tensorboard, self.is_main,
-                               config_text=to_toml(cfg))
+                               config_text=to_toml(cfg), resume_step=self.state.step if resumed else None)
         profiler = StepProfiler(cfg.profiling, dump, self.dist.rank, self.device)
         self._install_signal_handlers()
         timer = StepTimer(self.device)
@@ -257,7 +263,7 @@ class Trainer:
                 micro_batches = self._next_micro_batches(data_iter)
                 t_data = timer.now()
                 with profiler.step(step):
-                    loss, grad_norm = self.train_step(micro_batches)
+                    loss, grad_norm, t_backward = self.train_step(micro_batches, timer)
                 t_end = timer.now()
                 self.state.step = step
                 self.state.tokens_seen += tokens_per_step_local * self.dp
@@ -272,6 +278,7 @@ class Trainer:
                         "lr": self.lr_scheduler.get_last_lr()[0], "tps": tps, "tflops": tflops,
                         "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                         "step_time_s": step_time, "data_time_s": t_data - t0,
+                        "fwd_bwd_time_s": t_backward - t_data, "optim_time_s": t_end - t_backward,
                         **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
                         **self._data_stats(),
                     }
@@ -282,13 +289,10 @@ class Trainer:
                 self.checkpointer.maybe_save(force=stop or step == cfg.training.steps)
                 if stop:
                     if self.is_main:
-                        print(f"stopped at step {step} on request; checkpoint saved", flush=True)
+                        saved = "checkpoint saved" if cfg.checkpoint.enable else "no checkpoint (checkpointing disabled)"
+                        print(f"stopped at step {step} on request; {saved}", flush=True)
                     break
             self.checkpointer.maybe_export_final()
         finally:
             self.checkpointer.close()
             logger.close()
-
-    def close(self) -> None:
-        distributed.shutdown()
-
