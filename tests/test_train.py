@@ -20,10 +20,11 @@ def test_short_run_writes_outputs_and_loss_falls(tmp_path):
         assert set(METRIC_KEYS) <= set(row), set(METRIC_KEYS) - set(row)
         assert row["mfu_pct"] is None  # CPU: no known peak
         assert row["tps"] > 0 and row["tflops"] > 0 and math.isfinite(row["loss"])
-        # The step splits into data, forward+backward and optimizer time.
+        # On a CPU nothing overlaps: the step is forward+backward, optimizer, and reading
+        # the next step's batches (a GPU reads them while it runs the step).
         parts = row["data_time_s"] + row["fwd_bwd_time_s"] + row["optim_time_s"]
-        assert row["fwd_bwd_time_s"] > 0 and row["optim_time_s"] > 0
-        assert math.isclose(parts, row["step_time_s"], rel_tol=1e-6)
+        assert row["fwd_bwd_time_s"] > 0 and row["optim_time_s"] > 0 and row["data_time_s"] >= 0
+        assert 0.9 * row["step_time_s"] <= parts <= row["step_time_s"]
     assert rows[-1]["tokens_seen"] == 30 * 8 * 128
     assert rows[-1]["data/epoch"] >= 0
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, [r["loss"] for r in rows]

@@ -265,7 +265,7 @@ class CheckpointManager:
                 "train_state": t.state.state_dict(),
                 "lr_scheduler": t.lr_scheduler.state_dict(),
                 "optimizer_param_groups": app.saved_param_groups,
-                "dataloader": t.dataloader.state_dict(),
+                "dataloader": t.data_state,
                 "global_batch": self._global_batch(),
                 "world_size": t.dist.world_size,
                 "dp": t.dp,

@@ -175,27 +175,33 @@ class Trainer:
 
     def train_step(
         self, micro_batches: list[dict[str, torch.Tensor]], timer: StepTimer
-    ) -> tuple[float, float, float]:
-        """One optimizer step over the micro-batches: (mean loss, grad norm, when backward ended)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Launch one optimizer step over the micro-batches, without waiting for the device.
+
+        Returns the mean loss and the grad norm as device tensors (reading them waits for
+        the step) and the timer mark where backward ended.
+        """
         cfg = self.cfg
-        micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         # The loss is a mean over every target token of the global batch, so the same
         # step gives the same gradient whatever the DP degree or accumulation split.
-        n_tokens = torch.tensor(sum(int((mb["labels"] != -100).sum()) for mb in micro_batches),
-                                device=self.device, dtype=torch.float64)
+        # Counted on the host copies: no device sync.
+        n_local = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        n_tokens = torch.tensor(n_local, device=self.device, dtype=torch.float64)
         dp_group = self.mesh["dp"].get_group()
         dist.all_reduce(n_tokens, group=dp_group)
         n_tokens = n_tokens.clamp(min=1.0)
+        # FSDP averages gradients over dp ranks; this makes the result a global token mean.
+        loss_scale = self.dp / n_tokens
         loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == last)
             loss_sum = self._loss_sum(mb)
-            # FSDP averages gradients over dp ranks; scale so the result is a global token mean.
-            (loss_sum * (self.dp / n_tokens.item())).backward()
+            (loss_sum * loss_scale).backward()
             loss_total += loss_sum.detach().double()
         dist.all_reduce(loss_total, group=dp_group)
-        t_backward = timer.now()
+        t_backward = timer.mark()
         max_norm = cfg.training.max_norm if cfg.training.max_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
@@ -207,11 +213,11 @@ class Trainer:
             from float8 import precompute_float8_scales_for_fsdp
 
             precompute_float8_scales_for_fsdp(self.model)
-        return (loss_total / n_tokens).item(), float(grad_norm), t_backward
+        return loss_total / n_tokens, grad_norm, t_backward
 
     def _data_stats(self) -> dict[str, int]:
         """Epoch and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
-        stats = self.dataloader.dataset.stats()
+        stats = self.data_state["dataset_state"]
         keys = ("epoch", "samples", "truncated", "dropped")
         return {f"data/{k}": int(stats[k]) for k in keys if k in stats}
 
@@ -256,29 +262,41 @@ class Trainer:
         train_start = time.perf_counter()
         first_step = self.state.step + 1
         try:
+            micro_batches = self._next_micro_batches(data_iter)
+            # The loader state after the batches of the step about to run: what a checkpoint
+            # of that step records, although the next step's batches are read meanwhile.
+            self.data_state = self.dataloader.state_dict()
             while self.state.step < cfg.training.steps:
                 step = self.state.step + 1
                 reset_peak_memory(self.device)
-                t0 = timer.now()
-                micro_batches = self._next_micro_batches(data_iter)
-                t_data = timer.now()
                 with profiler.step(step):
-                    loss, grad_norm, t_backward = self.train_step(micro_batches, timer)
-                t_end = timer.now()
+                    t_start = time.perf_counter()
+                    t_launch = timer.mark()
+                    loss_t, grad_norm_t, t_backward = self.train_step(micro_batches, timer)
+                    t_done = timer.mark()
+                    # The device runs this step while the host reads the next one.
+                    t_data = time.perf_counter()
+                    if step < cfg.training.steps:
+                        next_batches = self._next_micro_batches(data_iter)
+                        next_state = self.dataloader.state_dict()
+                    data_time = time.perf_counter() - t_data
+                    loss, grad_norm = loss_t.item(), grad_norm_t.item()
+                t_end = time.perf_counter()
                 self.state.step = step
                 self.state.tokens_seen += tokens_per_step_local * self.dp
                 if not torch.isfinite(torch.tensor(loss)):
                     raise RuntimeError(f"loss is {loss} at step {step}")
                 if step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
-                    step_time = t_end - t0
+                    step_time = t_end - t_start
                     tps = tokens_per_gpu / step_time
                     tflops = tps * self.flops_per_token / 1e12
                     record = {
                         "step": step, "loss": loss, "grad_norm": grad_norm,
                         "lr": self.lr_scheduler.get_last_lr()[0], "tps": tps, "tflops": tflops,
                         "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
-                        "step_time_s": step_time, "data_time_s": t_data - t0,
-                        "fwd_bwd_time_s": t_backward - t_data, "optim_time_s": t_end - t_backward,
+                        "step_time_s": step_time, "data_time_s": data_time,
+                        "fwd_bwd_time_s": timer.seconds(t_launch, t_backward),
+                        "optim_time_s": timer.seconds(t_backward, t_done),
                         **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
                         **self._data_stats(),
                     }
@@ -292,6 +310,8 @@ class Trainer:
                         saved = "checkpoint saved" if cfg.checkpoint.enable else "no checkpoint (checkpointing disabled)"
                         print(f"stopped at step {step} on request; {saved}", flush=True)
                     break
+                if step < cfg.training.steps:
+                    micro_batches, self.data_state = next_batches, next_state
             self.checkpointer.maybe_export_final()
         finally:
             self.checkpointer.close()
