@@ -32,7 +32,7 @@ from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
 from models.llama.weights import StateDict, WeightsError, check_state_dict
 from models.llama.weights_io import FORMATS, load_tensor_file, read_weights, write_weights
 from trainer.errors import UserError
-from trainer.weights import DCP_MODEL_PREFIXES, dcp_model_shapes, load_dcp_model, read_dcp_metadata
+from trainer.weights import dcp_model_prefix, dcp_model_shapes, load_dcp_model, read_dcp_metadata
 
 ALL_FORMATS = (*FORMATS, "dcp")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -77,11 +77,8 @@ def read_dcp(path: Path, flavor: str | None) -> tuple[LlamaArgs, StateDict]:
     if not path.is_dir():
         raise WeightsError(f"{path}: directory not found")
     metadata = read_dcp_metadata(path, "--from dcp")
-    prefix = next(
-        (p for p in DCP_MODEL_PREFIXES if p + "tok_embeddings.weight" in metadata.state_dict_metadata),
-        None,
-    )
-    if prefix is None:
+    prefix = dcp_model_prefix(metadata, ["tok_embeddings.weight"])
+    if prefix + "tok_embeddings.weight" not in metadata.state_dict_metadata:
         raise WeightsError(f"{path}: no model weights (no tok_embeddings.weight) in this checkpoint")
     shapes = dcp_model_shapes(metadata, prefix)
     args = _flavor_args(shapes, flavor, "dcp")

@@ -14,6 +14,7 @@ import os
 import pickle
 import shutil
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,7 @@ def check_model_keys(expected: dict[str, torch.Size], stored: dict[str, torch.Si
             )
 
 
-def _model_prefix(metadata: Metadata, expected: dict[str, Any]) -> str:
+def dcp_model_prefix(metadata: Metadata, expected: Iterable[str]) -> str:
     """The prefix under which `metadata` stores the model: the one that holds the most of its keys."""
     keys = metadata.state_dict_metadata
     hits = {p: sum(p + k in keys for k in expected) for p in DCP_MODEL_PREFIXES}
@@ -158,7 +159,7 @@ def load_dcp_model(model: nn.Module, path: str | Path, what: str = "checkpoint.i
     """
     metadata = read_dcp_metadata(path, what)
     state = get_model_state_dict(model)
-    prefix = _model_prefix(metadata, state)
+    prefix = dcp_model_prefix(metadata, state)
     stored = dcp_model_shapes(metadata, prefix)
     check_model_keys({k: v.shape for k, v in state.items()}, stored, f"{what} {path}")
     single = not torch.distributed.is_initialized()
