@@ -9,7 +9,7 @@ import os
 import sys
 import warnings
 
-from trainer.errors import UserError
+from trainer.errors import UserError, report, reported_in_this_launch
 
 # Known-benign library warnings that would bury the trainer's own messages.
 warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -28,18 +28,26 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from trainer import distributed
         from trainer.trainer import Trainer
-
-        clean = False
-        try:
-            Trainer(cfg).train()
-            clean = True
-        finally:
-            distributed.shutdown(clean)
     except UserError as e:
-        # Under torchrun every rank hits the same problem; one line is enough.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report(e)
         return e.exit_code
+    clean = False
+    try:
+        Trainer(cfg).train()
+        clean = True
+    except UserError as e:
+        # Before the teardown: under torchrun, once any rank has exited, this one can be
+        # stopped at any moment. report() prints the line once for all ranks of the launch.
+        report(e)
+        return e.exit_code
+    except Exception:
+        # A peer that stopped on a UserError leaves this rank failing in a collective
+        # ("Connection closed by peer"): its line is out already, a traceback would bury it.
+        if reported_in_this_launch():
+            return UserError.exit_code
+        raise
+    finally:
+        distributed.shutdown(clean)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +48,28 @@ def _scaled_mm(
     return out.to(gemm_dtype).to(out_dtype)
 
 
+@functools.cache
+def scaled_mm_supported(rowwise: bool, device_type: str) -> bool:
+    """Whether torch._scaled_mm runs this scaling granularity on this device type.
+
+    CUDA float8 GEMMs (compute capability >= 8.9) take both. On CPU, torch 2.11 only
+    takes per-tensor scales and 2.13 takes both: probed with a 16 x 16 GEMM, since the
+    version alone does not say which build has which kernel.
+    """
+    if device_type == "cuda":
+        return True
+    rows = 16 if rowwise else 1
+    a = torch.zeros(16, 16, device=device_type).to(E4M3)
+    try:
+        torch._scaled_mm(
+            a, a.t(), scale_a=torch.ones(rows, 1, device=device_type),
+            scale_b=torch.ones(1, rows, device=device_type), out_dtype=torch.bfloat16,
+        )
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def _pad_inner(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-pad the contraction dim (tokens, for the weight gradient) to a multiple of 16.
 
@@ -68,6 +92,11 @@ class _Float8Matmul(torch.autograd.Function):
     element instead of 2) where the scaling allows, and w itself, which is a
     parameter (kept anyway, and freed/re-gathered by FSDP) rather than a float8
     copy that would hold 1 byte per parameter of every layer until backward.
+
+    Under activation checkpointing the casts are recomputed with the rest of the block
+    (selective AC keeps the GEMM outputs and amaxes); compiled under torch 2.11, only a
+    checkpoint with a `context_fn` tags this function's ops for recompute (see
+    trainer/parallelize.py `_full_ac_context` and docs/float8.md).
     """
 
     @staticmethod
@@ -167,7 +196,10 @@ class Float8Linear(nn.Linear):
 
     DTensor (tensor-parallel) weights are handled here, at the module boundary: the
     float8 math runs on local shards with local scales, which is exact for the
-    shardings TP uses because every rank's GEMM is self-contained.
+    shardings TP uses because every rank's GEMM is self-contained. A plain-tensor input
+    to a column-sharded weight is taken as this rank's copy of a replicated input, and
+    its gradient is returned as this rank's partial sum for the caller to reduce (the
+    float8 TP styles in float8/tp.py do, with a reduce-scatter).
     """
 
     def __init__(self, *args, config: Float8Config | None = None, **kwargs) -> None:
@@ -205,10 +237,14 @@ class Float8Linear(nn.Linear):
         mesh = w.device_mesh
         if mesh.ndim != 1:
             raise NotImplementedError(f"Float8Linear: weight on a {mesh.ndim}-D mesh (only 1-D TP)")
+        wp, ndim = w.placements[0], x.ndim
+        if _norm_dim(wp, 2) == 0 and not isinstance(x, DTensor):
+            # This rank's copy of a replicated input (a float8 TP gather): its gradient
+            # leaves as this rank's partial sum, which the caller reduces.
+            return self._finish_dtensor(float8_mm(x, w.to_local(), self.config), mesh, Shard(ndim - 1), None)
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-        wp, xp = w.placements[0], x.placements[0]
-        ndim = x.ndim
+        xp = x.placements[0]
         if _norm_dim(wp, 2) == 0:
             # Colwise: replicated input, output sharded on features; grad_x is a partial sum.
             if not xp.is_replicate():
@@ -232,6 +268,10 @@ class Float8Linear(nn.Linear):
         # A replicated weight (or bias) used with a sharded input gets partial-sum grads.
         grad_p = (Partial(),) if wp.is_replicate() and not xp.is_replicate() else None
         out = float8_mm(x_local, w.to_local(grad_placements=grad_p), self.config)
+        return self._finish_dtensor(out, mesh, out_p, grad_p)
+
+    def _finish_dtensor(self, out: torch.Tensor, mesh, out_p, grad_p) -> DTensor:
+        """The local GEMM output as a DTensor, with the bias added in the matching layout."""
         bias = self.bias
         if bias is not None and not out_p.is_partial():
             b = bias.to_local(grad_placements=grad_p) if isinstance(bias, DTensor) else bias

@@ -13,6 +13,13 @@ sequence parallelism:
 The gathered float8 values are dequantized to the activation dtype; the float8
 linears that consume them re-cast them to exactly the same float8 values, and
 under torch.compile the dequantize and re-cast fuse away.
+
+A gathered activation is handed to the colwise float8 linears as a plain local
+tensor, not a replicated DTensor: each linear returns its input gradient as this
+rank's partial sum (see Float8Linear), and the gather's backward reduce-scatters the
+sum of them. Wrapping it in a DTensor would need `DTensor.from_local(...,
+grad_placements=...)`, which torch 2.11 lacks; without that argument the DTensor's
+backward all-reduces the partial sums before the reduce-scatter adds them up again.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
@@ -89,11 +96,6 @@ def _gather_local(x: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch
     return _AllGatherFloat8.apply(local, mesh, dim)
 
 
-def _as_replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    # The consumers' gradients are partial sums, which the backward reduce-scatter adds up.
-    return DTensor.from_local(x, mesh, (Replicate(),), run_check=False, grad_placements=(Partial(),))
-
-
 def _needs_float8_gather(x: Any, layout: Placement | None, desired: Placement | None) -> bool:
     if not isinstance(x, torch.Tensor) or desired is None or not desired.is_replicate():
         return False
@@ -102,13 +104,21 @@ def _needs_float8_gather(x: Any, layout: Placement | None, desired: Placement | 
 
 
 class Float8ColwiseParallel(ColwiseParallel):
-    """ColwiseParallel whose sharded input, if any, is all-gathered in float8."""
+    """ColwiseParallel whose sharded input, if any, is all-gathered in float8.
+
+    A replicated input given as a plain tensor must be a float8-gathered activation
+    (from PrepareFloat8ModuleInput with `use_local_output=True`): the linear returns its
+    gradient as this rank's partial sum, which that gather's backward reduce-scatters.
+    """
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         x = inputs[0]
-        if isinstance(mod, Float8Linear) and _needs_float8_gather(x, input_layouts[0], desired_input_layouts[0]):
-            return _as_replicate(_gather_local(x, device_mesh, input_layouts[0]), device_mesh)
+        if isinstance(mod, Float8Linear):
+            if _needs_float8_gather(x, input_layouts[0], desired_input_layouts[0]):
+                return _gather_local(x, device_mesh, input_layouts[0])
+            if not isinstance(x, DTensor) and input_layouts[0].is_replicate():
+                return x
         return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
 
@@ -131,13 +141,19 @@ class Float8RowwiseParallel(RowwiseParallel):
 class PrepareFloat8ModuleInput(PrepareModuleInput):
     """PrepareModuleInput that all-gathers sharded-to-replicated tensor inputs in float8.
 
-    Non-tensor inputs (None layouts) pass through untouched, as with PrepareModuleInput.
+    The gathered inputs are local tensors meant for Float8ColwiseParallel linears, so
+    `use_local_output` must be True. Non-tensor inputs (None layouts) pass through
+    untouched, as with PrepareModuleInput.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.use_local_output:
+            raise ValueError("PrepareFloat8ModuleInput hands its consumers local tensors: pass use_local_output=True")
 
     def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
         if input_layout is not None and _needs_float8_gather(input, input_layout, desired_layout):
-            gathered = _gather_local(input, mesh, input_layout)
-            return gathered if self.use_local_output else _as_replicate(gathered, mesh)
+            return _gather_local(input, mesh, input_layout)
         return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
 
 

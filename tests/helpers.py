@@ -18,19 +18,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, script: str = "train.py"
+) -> subprocess.CompletedProcess:
+    """`script` (train.py, or a test wrapper of it) with `args`, under torchrun when nproc > 1."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
     if nproc == 1:
-        cmd = [sys.executable, "train.py", *args]
+        cmd = [sys.executable, script, *args]
     else:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--master_port={free_port()}", "train.py", *args,
+            f"--master_port={free_port()}", script, *args,
         ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+def cpu_float8_emulated(scaling: str) -> bool:
+    """True where this torch cannot run the recipe's float8 GEMMs on CPU (rowwise before 2.13)."""
+    from float8.linear import scaled_mm_supported
+
+    return not scaled_mm_supported(scaling != "tensorwise", "cpu")

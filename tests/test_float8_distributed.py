@@ -218,7 +218,7 @@ def _tp_worker(rank: int) -> dict:
     tp = copy.deepcopy(ref)
     parallelize_module(tp, mesh, {
         "feed_forward": PrepareFloat8ModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
         ),
         "feed_forward.w1": Float8ColwiseParallel(),
         "feed_forward.w3": Float8ColwiseParallel(),

@@ -6,7 +6,7 @@ reads the same sequences per step whatever the DP degree, so per-step losses mus
 
 import pytest
 
-from tests.helpers import read_metrics, run_train
+from tests.helpers import cpu_float8_emulated, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -18,24 +18,30 @@ BASE = [
 ]
 
 
-def _losses(tmp_path, name: str, args: list[str], nproc: int = 1) -> list[float]:
+def _losses(tmp_path, name: str, args: list[str], nproc: int = 1) -> list[tuple[float, float]]:
+    """(loss, grad_norm) per step: a gradient-scale bug shows in the grad norm at step 1."""
     dump = tmp_path / name
     result = run_train([*BASE, "--job.dump_folder", str(dump), *args], nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(dump)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return [r["loss"] for r in rows]
+    return [(r["loss"], r["grad_norm"]) for r in rows]
 
 
-def _assert_close(a: list[float], b: list[float], rtol: float, label: str) -> None:
-    for step, (x, y) in enumerate(zip(a, b), start=1):
-        assert abs(x - y) <= rtol * abs(x), f"{label}: step {step} loss {x} vs {y}"
+def _assert_close(a: list[tuple[float, float]], b: list[tuple[float, float]], rtol: float, label: str) -> None:
+    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(a, b), start=1):
+        assert abs(loss_a - loss_b) <= rtol * abs(loss_a), f"{label}: step {step} loss {loss_a} vs {loss_b}"
+        # Clipping hides a scaled gradient from the loss, not from its norm, which at step 1
+        # (same weights, same data) must match as closely as the loss; later steps drift.
+        norm_rtol = rtol if step == 1 else 5 * rtol
+        assert abs(norm_a - norm_b) <= norm_rtol * abs(norm_a), f"{label}: step {step} grad_norm {norm_a} vs {norm_b}"
 
 
 FLOAT8 = {
     "bf16": [],
     "tensorwise": ["--float8.enabled", "true", "--float8.scaling", "tensorwise"],
-    "rowwise": ["--float8.enabled", "true", "--float8.scaling", "rowwise"],
+    "rowwise": ["--float8.enabled", "true", "--float8.scaling", "rowwise",
+                "--float8.emulate", str(cpu_float8_emulated("rowwise")).lower()],
 }
 
 
@@ -43,7 +49,7 @@ FLOAT8 = {
 def test_loss_parity_single_fsdp_tp(tmp_path, precision):
     extra = FLOAT8[precision]
     single = _losses(tmp_path, "single", ["--training.batch_size", "8", *extra])
-    assert single[-1] < single[0] - 0.3, f"loss did not fall: {single}"
+    assert single[-1][0] < single[0][0] - 0.3, f"loss did not fall: {single}"
     fsdp = _losses(tmp_path, "fsdp", ["--training.batch_size", "4", *extra], nproc=2)
     tp = _losses(
         tmp_path, "tp", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2", *extra], nproc=2
@@ -111,9 +117,12 @@ def test_2d_mesh_float8_all_gather_and_block_compile(tmp_path):
 
 
 def test_invalid_layout_exits_2(tmp_path):
+    # Every rank raises; the line appears once whichever rank exits first (forced orders:
+    # tests/test_torchrun_errors.py). torchrun exits 1 when a worker fails (here with 2).
     result = run_train(["--parallelism.tensor_parallel_degree", "4", "--job.dump_folder", str(tmp_path)], nproc=2)
-    assert result.returncode != 0
-    assert "tensor_parallel_degree = 4 does not divide the world size 2" in result.stderr
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: parallelism.tensor_parallel_degree = 4 does not divide the world size 2"], result.stderr
     single = run_train(["--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)])
     assert single.returncode == 2
     assert single.stderr.strip() == (

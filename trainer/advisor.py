@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from float8.linear import scaled_mm_supported
 from trainer.config import Config, Float8TrainingConfig
 from trainer.errors import UserError
 
@@ -33,6 +34,11 @@ def advise(
             f"float8.enabled needs float8 GEMMs (compute capability >= 8.9: H100/H200/L40/RTX 4090); "
             f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Set float8.emulate = true to test, "
             "or float8.enabled = false"
+        )
+    if device.type == "cpu" and not f8.emulate and not scaled_mm_supported(f8.scaling != "tensorwise", "cpu"):
+        raise UserError(
+            f"float8.scaling = '{f8.scaling}' needs row-wise scaled float8 GEMMs, which torch "
+            f"{torch.__version__} does not run on CPU (torch >= 2.13 does); set float8.emulate = true to test here"
         )
     if f8.emulate:
         notes.append("float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only")

@@ -101,7 +101,12 @@ class TrainingConfig:
     steps: int = _opt(100, "Optimizer steps.")
     max_norm: float = _opt(1.0, "Clip gradients to this global L2 norm (0 disables clipping).")
     gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step.")
-    mixed_precision_param: str = _opt("bfloat16", "Compute dtype of parameters (master weights stay fp32).", ("bfloat16", "float32"))
+    mixed_precision_param: str = _opt(
+        "auto",
+        "Compute dtype of parameters (master weights stay fp32). auto = bfloat16 on CUDA and on CPUs with native "
+        "bf16 (AVX512-BF16/AMX), float32 on other CPUs (bf16 is emulated there, about 15x slower).",
+        ("auto", "bfloat16", "float32"),
+    )
     mixed_precision_reduce: str = _opt("float32", "Gradient reduce dtype.", ("float32", "bfloat16"))
     seed: int = _opt(42, "Seed for weights init and dropout-free randomness.")
     deterministic: bool = _opt(False, "Use deterministic algorithms (slower).")

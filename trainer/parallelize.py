@@ -57,6 +57,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
     whose input is the embedding's local reduce-scatter output (an AsyncCollectiveTensor)
     drops that input's gradient, which zeroed the embedding gradient.
     """
+    # The float8 gathers hand local tensors to the float8 colwise linears (float8/tp.py),
+    # hence `use_local_output=float8_tp` on the module inputs below.
     if float8_tp:
         from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
@@ -80,14 +82,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
         plan = {
             "attention_norm": SequenceParallel(),
             "attention": prepare_input(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
+                use_local_output=float8_tp,
             ),
             "attention.wq": colwise(),
             "attention.wk": colwise(),
             "attention.wv": colwise(),
             "attention.wo": rowwise(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward": prepare_input(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=float8_tp
+            ),
             "feed_forward.w1": colwise(),
             "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
             "feed_forward.w3": colwise(),
@@ -96,7 +101,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
 
 
 def _selective_policy():
-    """Save GEMM, attention and reduce-scatter outputs; recompute the cheap pointwise ops."""
+    """Save GEMM, attention and reduce-scatter outputs and amaxes; recompute everything else.
+
+    No GEMM is ever recomputed; float8 casts are (from their saved amax). docs/float8.md
+    lists what this keeps per block, eager and compiled.
+    """
     from torch.utils.checkpoint import CheckpointPolicy
 
     ops = [
@@ -120,14 +129,51 @@ def _selective_policy():
     return policy
 
 
+def _recompute_everything(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _full_ac_context():
+    """Full checkpointing: plain in eager; under torch.compile, the selective path with a
+    policy that recomputes every op.
+
+    Compiled, AC is a tag on each forward node telling the partitioner to recompute it.
+    torch 2.11 tags plain (context-free) checkpoint regions on dynamo's graph only, and
+    the ops that AOT autograd inlines from an autograd.Function (the float8 matmul) stay
+    untagged: the partitioner then saves every float8 linear's inputs, and a "full" AC
+    block keeps nearly all its activations. The selective path tags each op as it is
+    dispatched, autograd.Function bodies included (torch 2.13 routes plain AC through it
+    too). Eager runs keep torch's plain checkpoint: no per-op Python dispatch mode.
+    """
+    from torch._guards import TracingContext
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_context_fn
+
+    if TracingContext.try_get() is None:
+        return noop_context_fn()
+    return create_selective_checkpoint_contexts(_recompute_everything)
+
+
+# AOT autograd's cache skips graphs whose checkpoint context_fn has no stable hash.
+_full_ac_context.cache_hash = "trainer.parallelize._full_ac_context: recompute every op"
+
+
 def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
+    """Wrap blocks in non-reentrant checkpointing: every block (`full`), every N-th
+    (`selective` with an integer option), or every block with the op policy (`op`).
+
+    The wrappers work eager and compiled (`apply_compile` compiles the wrapper, so
+    dynamo traces the checkpoint region and the partitioner recomputes it in the
+    compiled backward).
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     every_nth = int(selective_option) if mode == "selective" and selective_option.isdigit() else 0
     for i, (name, block) in enumerate(list(model.layers.named_children())):
         if mode == "full" or (every_nth and i % every_nth == 0):
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(block, context_fn=_full_ac_context, preserve_rng_state=False)
         elif every_nth:
             continue
         else:

@@ -11,6 +11,7 @@ from trainer.advisor import advise
 from trainer.config import Config, check_layout
 from trainer.metrics import flops_per_token
 from trainer.model_setup import build_meta_model, convert_float8, model_args_for
+from trainer.precision import resolve_param_precision
 
 
 def _planned_world_size(cfg: Config) -> int:
@@ -31,7 +32,9 @@ def print_plan(cfg: Config) -> None:
     fpt = flops_per_token(num_params(model, exclude_embedding=True), args.n_layers, args.dim, cfg.training.seq_len)
     t = cfg.training
     tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * dp
-    precision = f"float8 {cfg.float8.scaling}" if cfg.float8.enabled else t.mixed_precision_param
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
+    params = resolve_param_precision(t.mixed_precision_param, device.type)
+    precision = f"float8 {cfg.float8.scaling}" if cfg.float8.enabled else params.dtype
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and "WORLD_SIZE" not in os.environ:
         layout += " (dp = -1 takes the rest of the world at launch)"
@@ -44,14 +47,14 @@ def print_plan(cfg: Config) -> None:
         f"  tokens per step   {tokens_per_step:,} (batch {t.batch_size} x seq {t.seq_len} x accum "
         f"{t.gradient_accumulation_steps} x dp {dp})",
         f"  layout            {layout}",
-        f"  precision         {precision}; params {t.mixed_precision_param}, reduce {t.mixed_precision_reduce}",
+        f"  precision         {precision}; params {params.dtype} ({params.reason}), reduce {t.mixed_precision_reduce}",
         f"  compile           {cfg.compile.mode}",
         f"  activation ckpt   {cfg.activation_checkpoint.mode}"
         + (f" ({cfg.activation_checkpoint.selective_option})" if cfg.activation_checkpoint.mode == "selective" else ""),
     ]
     if report is not None:
         lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
-    device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
-    for note in advise(cfg, device, report, dp, tp):
+    notes = advise(cfg, device, report, dp, tp)
+    for note in [params.warning, *notes] if params.warning else notes:
         lines.append(f"  warning: {note}")
     print("\n".join(lines), flush=True)

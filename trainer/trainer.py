@@ -24,7 +24,7 @@ from trainer import distributed
 from trainer.advisor import advise
 from trainer.config import Config, check_layout, to_toml
 from trainer.data import build_dataloader
-from trainer.errors import UserError
+from trainer.errors import UserError, reported_in_this_launch
 from trainer.metrics import (
     MetricsLogger,
     StepTimer,
@@ -37,6 +37,7 @@ from trainer.metrics import (
 from trainer.model_setup import build_meta_model, convert_float8, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize_llama
+from trainer.precision import resolve_param_precision
 from trainer.profiling import StepProfiler
 from trainer.sft_data import SFTOptions
 from trainer.tokenizer import Tokenizer
@@ -83,6 +84,9 @@ class Trainer:
         device_type = distributed.pick_device_type(cfg.training.device)
         if device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("training.device = 'cuda' but no CUDA device is available")
+        # Resolved in the config itself, so config.toml records the dtype the run uses.
+        self.param_precision = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
+        cfg.training.mixed_precision_param = self.param_precision.dtype
         # Checks that need no process group come first: a bad layout or tokenizer then
         # fails on every rank before any rank waits for the others.
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
@@ -111,6 +115,8 @@ class Trainer:
         self.n_params = num_params(model)
         # Before any weight is allocated: advise() refuses float8 on GPUs without float8 GEMMs.
         self.advice = advise(cfg, self.device, self.float8_report, dp, tp)
+        if self.param_precision.warning:
+            self.advice.insert(0, self.param_precision.warning)
         self.model = parallelize_llama(model, self.mesh, cfg)
         self._materialize()
 
@@ -135,12 +141,14 @@ class Trainer:
     def run_name(self) -> str:
         if self.cfg.job.run_name:
             return self.cfg.job.run_name
-        precision = self.cfg.float8.scaling if self.cfg.float8.enabled else "bf16"
+        short = {"bfloat16": "bf16", "float32": "fp32"}[self.cfg.training.mixed_precision_param]
+        precision = self.cfg.float8.scaling if self.cfg.float8.enabled else short
         return f"{self.cfg.model.flavor}-{precision}-{self.cfg.compile.mode}"
 
     def _startup_summary(self) -> None:
         c = self.cfg
-        precision = f"float8 {c.float8.scaling}" if c.float8.enabled else c.training.mixed_precision_param
+        params = f"params {c.training.mixed_precision_param} ({self.param_precision.reason})"
+        precision = f"float8 {c.float8.scaling}, {params}" if c.float8.enabled else params
         tokens_per_step = c.training.batch_size * c.training.seq_len * c.training.gradient_accumulation_steps * self.dp
         peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
         lines = [
@@ -224,7 +232,8 @@ class Trainer:
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
             self._stop_requested = True
-            if self.is_main:
+            # torchrun stopping this rank because a peer already printed its error is no request.
+            if self.is_main and not reported_in_this_launch():
                 then = "saving a checkpoint" if self.cfg.checkpoint.enable else "not saving (checkpointing disabled)"
                 print(f"received signal {signum}: finishing this step, {then}, then exiting", flush=True)
 

@@ -1,0 +1,132 @@
+"""Step time and peak memory of each activation checkpointing mode, eager and compiled per block.
+
+    python scripts/bench_ac.py                      # one H200: the 7B config cut to 4 layers, batch 8 x 4096
+    python scripts/bench_ac.py --flavor debug --n-layers 2 --batch-size 2 --seq-len 128 --steps 2  # CPU smoke
+
+One train.py run per cell (precision x compile mode x AC mode), all from --config with the
+same seed and data; arguments after `--` go to every run. Step time: median of the steps
+after the first (which compiles); memory: `memory/peak_active_gib` of the last step (CUDA
+active bytes; on CPU it is the process's peak RSS, which says little about activations).
+Each row also gives memory and time relative to the same precision and compile mode
+without AC, and the last loss (AC must not change it beyond float noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cell_args(a: argparse.Namespace, precision: str, compile_mode: str, ac: str, dump: Path) -> list[str]:
+    f8 = ["--float8.enabled", "true", "--float8.scaling", precision]
+    if precision == "bf16":
+        f8 = ["--float8.enabled", "false", "--float8.fsdp_float8_all_gather", "false"]
+    elif precision != "tensorwise":
+        f8 += ["--float8.fsdp_float8_all_gather", "false"]
+    return [
+        "--config", a.config, "--model.flavor", a.flavor, "--model.n_layers", str(a.n_layers),
+        "--training.batch_size", str(a.batch_size), "--training.seq_len", str(a.seq_len),
+        "--training.steps", str(a.steps), "--compile.mode", compile_mode,
+        "--activation_checkpoint.mode", ac, *f8,
+        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+        "--checkpoint.enable", "false", "--profiling.enable", "false",
+        "--job.dump_folder", str(dump), *a.extra,
+    ]
+
+
+def run_cell(a: argparse.Namespace, precision: str, compile_mode: str, ac: str) -> dict:
+    dump = Path(a.out) / f"{precision}-{compile_mode}-{ac}"
+    dump.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "train.py", *cell_args(a, precision, compile_mode, ac, dump)]
+    cell = {"precision": precision, "compile": compile_mode, "ac": ac, "ok": False}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return {**cell, "reason": f"timed out after {a.timeout} s"}
+    (dump / "log.txt").write_text(proc.stdout + proc.stderr)
+    cell["wall_s"] = time.perf_counter() - start
+    metrics = dump / "metrics.jsonl"
+    if proc.returncode != 0 or not metrics.exists():
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        return {**cell, "reason": lines[-1] if lines else f"exit code {proc.returncode}"}
+    rows = sorted((json.loads(line) for line in metrics.read_text().splitlines()), key=lambda r: r["step"])
+    timed = [r for r in rows if r["step"] > 1] or rows
+    return {
+        **cell, "ok": True,
+        "step_ms": 1000 * statistics.median(r["step_time_s"] for r in timed),
+        "peak_gib": rows[-1].get("memory/peak_active_gib"),
+        "loss": rows[-1]["loss"],
+    }
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def render(cells: list[dict]) -> str:
+    base = {(c["precision"], c["compile"]): c for c in cells if c["ok"] and c["ac"] == "none"}
+    out = [
+        "| precision | compile | AC | step ms | peak GiB | memory vs no AC | time vs no AC | last loss |",
+        "|---|---|---|--:|--:|--:|--:|--:|",
+    ]
+    for c in cells:
+        head = f"| {c['precision']} | {c['compile']} | {c['ac']} |"
+        if not c["ok"]:
+            out.append(f"{head} failed: {c['reason'][:80]} | | | | |")
+            continue
+        b = base.get((c["precision"], c["compile"]))
+        mem = c["peak_gib"] / b["peak_gib"] if b and c["peak_gib"] and b["peak_gib"] else None
+        t = c["step_ms"] / b["step_ms"] if b else None
+        out.append(
+            f"{head} {c['step_ms']:.0f} | {_fmt(c['peak_gib'], '.2f')} | {_fmt(mem, '.2f')}x "
+            f"| {_fmt(t, '.2f')}x | {c['loss']:.4f} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/7b_fp8.toml")
+    p.add_argument("--flavor", default="7B")
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--precisions", default="bf16,tensorwise", help="bf16 and/or float8 scalings")
+    p.add_argument("--compile", default="none,block", help="compile modes")
+    p.add_argument("--ac", default="none,full,selective", help="activation checkpointing modes")
+    p.add_argument("--out", default=None, help="dump folders, logs and results.json (default: a temp dir)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
+    a = p.parse_args(argv)
+    a.extra = extra
+    a.out = a.out or tempfile.mkdtemp(prefix="bench_ac_")
+    cells = []
+    for precision in a.precisions.split(","):
+        for compile_mode in a.compile.split(","):
+            for ac in a.ac.split(","):
+                cell = run_cell(a, precision, compile_mode, ac)
+                cells.append(cell)
+                status = f"{cell['step_ms']:.0f} ms" if cell["ok"] else f"failed: {cell['reason']}"
+                print(f"{precision} compile={compile_mode} ac={ac}: {status}", flush=True)
+    (Path(a.out) / "results.json").write_text(json.dumps({"argv": argv, "extra": extra, "cells": cells}, indent=1))
+    import torch
+
+    print(f"\ntorch {torch.__version__}, {a.flavor} x {a.n_layers} layers, batch {a.batch_size} x seq "
+          f"{a.seq_len}, {a.steps} steps; logs in {a.out}\n")
+    print(render(cells))
+
+
+if __name__ == "__main__":
+    main()
