@@ -5,12 +5,17 @@
     python scripts/convert_weights.py --from torch --to hf --flavor 7B model.pt out-hf/
     python scripts/convert_weights.py --from dcp --to hf --flavor 7B outputs/sft/checkpoints/step-600 sft-hf/
     python scripts/convert_weights.py --from hf --to dcp Llama-2-7b-hf llama2-7b-dcp/
+    python scripts/convert_weights.py --from random --to hf --flavor 7B --dtype bf16 random-7b-hf/
 
 hf and meta are directories; torch is one file (.safetensors, or .pt of plain tensors); dcp is a
 trainer checkpoint (checkpoints/step-N, of which only the model is read) or a model-only DCP
 folder, which --to dcp writes for `train.py --checkpoint.initial_load_path DIR
 --checkpoint.initial_load_format dcp`. torch and dcp weights carry no config: give their
---flavor (vocab_size and the number of layers are taken from the weights).
+--flavor (vocab_size and the number of layers are taken from the weights). random takes no
+SRC: it writes the --flavor model (--n-layers overrides its depth) initialised as train.py
+initialises it with training.seed = --seed: bitwise on CPU in fp32; with --dtype bf16 it is
+allocated and initialised in bf16 directly (half the memory; values differ from a cast);
+--device cuda draws on the GPU, as train.py does there (much faster for 7B and up).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from trainer.errors import UserError
 from trainer.weights import dcp_model_prefix, dcp_model_shapes, load_dcp_model, read_dcp_metadata
 
 ALL_FORMATS = (*FORMATS, "dcp")
+SOURCES = (*ALL_FORMATS, "random")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 
@@ -43,10 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--from", dest="src_format", choices=ALL_FORMATS, required=True)
+    parser.add_argument("--from", dest="src_format", choices=SOURCES, required=True)
     parser.add_argument("--to", dest="dst_format", choices=ALL_FORMATS, required=True)
-    parser.add_argument("src", type=Path)
-    parser.add_argument("dst", type=Path)
+    parser.add_argument("src", type=Path, help="source (none for --from random)")
+    parser.add_argument("dst", type=Path, nargs="?")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast all weights (default: keep)")
     parser.add_argument(
         "--flavor", choices=sorted(LLAMA2_FLAVORS), help="model shape of a torch or dcp SRC"
@@ -54,7 +60,52 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--num-shards", type=int, default=1, help="model-parallel shards for --to meta"
     )
-    return parser.parse_args(argv)
+    parser.add_argument("--n-layers", type=int, default=0, help="--from random: layers (0 = flavor's)")
+    parser.add_argument("--seed", type=int, default=42, help="--from random: training.seed to mimic")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--from random: "
+                        "where to draw the weights (default cpu)")
+    opts = parser.parse_args(argv)
+    if opts.src_format == "random":
+        if opts.dst is not None:
+            parser.error("--from random takes no SRC, only DST")
+        if opts.flavor is None:
+            parser.error("--from random needs --flavor")
+        opts.src, opts.dst = None, opts.src
+    elif opts.dst is None:
+        parser.error("the following arguments are required: dst")
+    return opts
+
+
+def random_weights(
+    flavor: str, n_layers: int, seed: int, dtype: torch.dtype, device: str = "cpu"
+) -> tuple[LlamaArgs, StateDict]:
+    """The flavour's model (vocab from the flavour, as in train.py) initialised like train.py.
+
+    Follows trainer.model_setup.init_weights. On CPU it seeds, builds a full Transformer (whose
+    constructor draws from the generator too) and calls init_weights(): in float32 this
+    reproduces train.py's initial weights bitwise. On CUDA, train.py's GPU sequence: meta
+    model, to_empty, seed, init_weights (CUDA generator; not checked bitwise against train.py,
+    whose parameters are DTensors there).
+    """
+    args = LLAMA2_FLAVORS[flavor]
+    if n_layers:
+        args = dataclasses.replace(args, n_layers=n_layers)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        if device == "cpu":
+            torch.manual_seed(seed)
+            model = Transformer(args)
+        else:
+            with torch.device("meta"):
+                model = Transformer(args)
+            model.to_empty(device=device)
+            torch.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights()
+    finally:
+        torch.set_default_dtype(default)
+    return args, {key: t.cpu() for key, t in model.state_dict().items()}
 
 
 def _flavor_args(shapes: Mapping[str, Sequence[int]], flavor: str | None, fmt: str) -> LlamaArgs:
@@ -110,9 +161,14 @@ def write_dcp(state_dict: StateDict, args: LlamaArgs, path: Path) -> None:
 def convert(opts: argparse.Namespace) -> None:
     if opts.dst.exists() and (opts.dst.is_file() or any(opts.dst.iterdir())):
         raise WeightsError(f"{opts.dst}: already exists; choose a new destination")
+    if (opts.n_layers or opts.device != "cpu") and opts.src_format != "random":
+        raise WeightsError("--n-layers and --device only apply to --from random")
     if opts.num_shards < 1 or (opts.num_shards > 1 and opts.dst_format != "meta"):
         raise WeightsError("--num-shards must be >= 1 and only applies to --to meta")
-    if opts.src_format == "torch":
+    if opts.src_format == "random":
+        dtype = DTYPES[opts.dtype] if opts.dtype else torch.float32
+        args, state_dict = random_weights(opts.flavor, opts.n_layers, opts.seed, dtype, opts.device)
+    elif opts.src_format == "torch":
         state_dict = load_tensor_file(opts.src)
         args = _flavor_args({k: t.shape for k, t in state_dict.items()}, opts.flavor, "torch")
         check_state_dict(state_dict, args, str(opts.src))

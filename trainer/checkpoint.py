@@ -439,12 +439,15 @@ class CheckpointManager:
 
     def load_initial_weights(self) -> None:
         """Model weights only (no optimizer state) from dcp / hf / meta / torch files."""
+        import resource
+
         from trainer.weights import load_dcp_model, load_full_state_dict
 
         t = self.trainer
         fmt, path = self.cfg.initial_load_format, self.cfg.initial_load_path
         if not Path(path).exists():
             raise UserError(f"checkpoint.initial_load_path not found: {path}")
+        start = time.perf_counter()
         if fmt == "dcp":
             load_dcp_model(t.model, path)
         else:
@@ -466,8 +469,14 @@ class CheckpointManager:
             set_model_state_dict(
                 t.model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             )
+        seconds = time.perf_counter() - start
+        # Each rank's peak host RSS so far (ru_maxrss is KiB on Linux): rank 0 holds the full
+        # state dict when loading hf / meta / torch files.
+        peaks: list[Any] = [None] * t.dist.world_size
+        dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2)
         if t.is_main:
-            print(f"loaded initial weights ({fmt}) from {path}", flush=True)
+            print(f"loaded initial weights ({fmt}) from {path} in {seconds:.1f}s; "
+                  f"peak host memory per rank: {', '.join(f'{p:.1f}' for p in peaks)} GiB", flush=True)
 
     # -- export --------------------------------------------------------------
 
