@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import read_metrics
-from trainer.metrics import MetricsLogger
+from trainer.metrics import MetricsLogger, StepTimer
 
 
 def _log(logger: MetricsLogger, steps: range, loss: float) -> None:
@@ -54,3 +55,24 @@ def test_fresh_start_replaces_an_old_run_of_the_same_name_only(tmp_path):
     assert _rows(tmp_path) == [(1, 3.0), (2, 3.0)]
     assert _tb_losses(tmp_path / "tb" / "run") == [(1, 3.0), (2, 3.0)]
     assert _tb_losses(tmp_path / "tb" / "other") == [(1, 5.0)]
+
+
+class _CudaEvent:
+    """Stands in for torch.cuda.Event: elapsed_time raises until the end event completed."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms, self.done = ms, False
+
+    def synchronize(self) -> None:
+        self.done = True
+
+    def elapsed_time(self, end: _CudaEvent) -> float:
+        if not end.done:
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return end.ms - self.ms
+
+
+def test_step_timer_waits_for_the_end_mark_on_cuda():
+    # The optimizer step can still run when the loss is read (7B, 1 H200, batch 2: step 1 crashed).
+    timer = StepTimer(torch.device("cuda"))
+    assert timer.seconds(_CudaEvent(5.0), _CudaEvent(1505.0)) == 1.5

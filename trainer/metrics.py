@@ -8,6 +8,7 @@ so float8 runs can exceed what the bf16 peak suggests: that is the point of floa
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -22,7 +23,7 @@ _BF16_PEAK = (("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("B200", 225
 
 METRIC_KEYS = (
     "step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "step_time_s", "data_time_s",
-    "memory/peak_active_gib", "memory/peak_reserved_gib", "tokens_seen",
+    "memory/peak_active_gib", "memory/peak_reserved_gib", "tokens_seen", "skipped_steps",
 )
 
 
@@ -87,6 +88,11 @@ def _keep_rows_up_to(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """NaN and infinities as null: json.dumps would write NaN/Infinity, which strict JSON readers refuse."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
 class MetricsLogger:
     """Writes one record per logged step to the console, metrics.jsonl and TensorBoard (rank 0 only).
 
@@ -128,7 +134,7 @@ class MetricsLogger:
         if not self.is_main:
             return
         assert self._jsonl is not None
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(_strict_json(record), allow_nan=False) + "\n")
         self._jsonl.flush()
         step = record["step"]
         if self._tb is not None:
@@ -157,7 +163,7 @@ _TB_GROUPS = {
     "tps": "throughput", "tflops": "throughput", "mfu_pct": "throughput",
     "loss": "loss", "grad_norm": "loss", "lr": "loss",
     "step_time_s": "time", "data_time_s": "time", "fwd_bwd_time_s": "time", "optim_time_s": "time",
-    "tokens_seen": "progress",
+    "tokens_seen": "progress", "skipped_steps": "progress",
 }
 
 
@@ -206,7 +212,12 @@ class StepTimer:
         return event
 
     def seconds(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+        if not self.cuda:
+            return end - start
+        # Reading the loss only waits for the work before it: the optimizer step after it may
+        # still be running, and elapsed_time raises on an event that has not completed.
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
 
 
 def warn(message: str) -> None:
