@@ -26,14 +26,15 @@ def main(argv: list[str] | None = None) -> int:
 
             print_plan(cfg)
             return 0
-        from trainer import distributed
+        from trainer import distributed, dump
         from trainer.trainer import Trainer
     except UserError as e:
         report(e)
         return e.exit_code
     clean = False
     try:
-        Trainer(cfg).train()
+        with dump.claim(cfg.job.dump_folder):
+            Trainer(cfg).train()
         clean = True
     except UserError as e:
         # Before the teardown: under torchrun, once any rank has exited, this one can be

@@ -544,7 +544,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if cli.sft_layers is None:
         cli.sft_layers = full if cli.nproc >= 2 else min(full, 8)
         if cli.sft_layers < full:
-            cli.sft_layers_note = f" of {full}: a full {cli.flavor} with AdamW does not fit one GPU"
+            # The SFT config (batch 2 x 4096, selective AC) is sized for several GPUs.
+            cli.sft_layers_note = f" of {full} on one GPU (--sft-layers {full} for all)"
     cli.out = cli.out.resolve()
     owned = set(ct._option_names(cell_args(cli, Path("x"), "rowwise", "none"))) | {
         "config", "training.deterministic", "checkpoint.enable", "checkpoint.interval",

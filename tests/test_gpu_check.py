@@ -127,7 +127,7 @@ def test_render_table_shows_results_metrics_and_skip_reasons():
 def test_options_defaults_and_errors():
     cli = _cli("--nproc", "1")
     assert (cli.batch_size, cli.seq_len, cli.layers, cli.steps, cli.sft_layers) == (2, 4096, 2, 6, 8)
-    assert "does not fit one GPU" in cli.sft_layers_note
+    assert cli.sft_layers_note == " of 32 on one GPU (--sft-layers 32 for all)"
     assert _cli("--nproc", "2").sft_layers == 32
     debug = _cli("--flavor", "debug", "--device", "cpu", "--", "--float8.emulate", "true")
     assert (debug.seq_len, debug.sft_layers, debug.extras) == (128, 4, ["--float8.emulate", "true"])

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from trainer.errors import UserError
 from trainer.metrics import warn
@@ -55,6 +56,7 @@ from trainer.weights import (
 )
 
 if TYPE_CHECKING:
+    from trainer.config import Config
     from trainer.trainer import Trainer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -63,6 +65,8 @@ _MODEL_PREFIX = "app.model."
 EXTRA_KEYS = (
     "train_state", "lr_scheduler", "optimizer_param_groups", "dataloader", "global_batch", "world_size", "dp", "tp",
 )
+# Optional in extra.json (older checkpoints lack them): the schedule the checkpoint was trained with.
+SCHEDULE_KEYS = ("lr_scheduler.warmup_steps", "lr_scheduler.decay", "lr_scheduler.min_lr_ratio", "training.steps")
 # AdamW fills in its other hyperparameters (foreach, fused, amsgrad, ...) when a group lacks them.
 _GROUP_REQUIRED = ("params", "lr", "betas", "eps", "weight_decay")
 
@@ -126,6 +130,16 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def nonfinite_weights(model: torch.nn.Module) -> torch.Tensor:
+    """How many of this rank's (local shards of) parameters are NaN or infinite, as a device tensor."""
+    count = torch.zeros((), dtype=torch.int64, device=next(model.parameters()).device)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            count += (~torch.isfinite(local)).sum()
+    return count
+
+
 def read_extra(path: Path) -> dict[str, Any]:
     """extra.json of a checkpoint, checked; a one-line UserError when missing or damaged."""
     f = path / "extra.json"
@@ -139,6 +153,11 @@ def read_extra(path: Path) -> dict[str, Any]:
     if missing:
         raise UserError(f"checkpoint {path}: extra.json lacks '{missing[0]}'")
     return extra
+
+
+def schedule_values(cfg: Config) -> dict[str, Any]:
+    """The config's SCHEDULE_KEYS as ``{"section.key": value}``."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SCHEDULE_KEYS}
 
 
 class _FieldError(Exception):
@@ -247,6 +266,15 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         self._finish_pending()
         t = self.trainer
+        # The loop never applies a non-finite step; this is the last line of defence, before
+        # anything is written or rotated away, so every published checkpoint is loadable and healthy.
+        bad = nonfinite_weights(t.model)
+        dist.all_reduce(bad)
+        if bad.item():
+            raise UserError(
+                f"step {step}: the model holds non-finite weights, so no checkpoint of it is saved; "
+                "lower optimizer.lr or raise lr_scheduler.warmup_steps"
+            )
         start = time.perf_counter()
         final = self.folder / f"step-{step}"
         partial = self.folder / f"step-{step}.partial"
@@ -270,6 +298,7 @@ class CheckpointManager:
                 "world_size": t.dist.world_size,
                 "dp": t.dp,
                 "tp": t.tp,
+                "schedule": schedule_values(t.cfg),
             }
             (partial / "extra.json").write_text(json.dumps(extra))
         if self.cfg.async_mode == "async":
@@ -362,6 +391,13 @@ class CheckpointManager:
             _check_like(extra["lr_scheduler"], t.lr_scheduler.state_dict(), "lr_scheduler")
             _check_param_groups(extra["optimizer_param_groups"], param_groups, "optimizer_param_groups")
             _check_like(extra["dataloader"], t.dataloader.state_dict(), "dataloader")
+            if "schedule" in extra:
+                live = schedule_values(t.cfg)
+                if not isinstance(extra["schedule"], dict) or set(extra["schedule"]) != set(live):
+                    raise _FieldError("schedule", f"must hold exactly {', '.join(live)}")
+                for key, value in extra["schedule"].items():
+                    if type(value) is not type(live[key]):
+                        raise _FieldError(f"schedule.{key}", f"must be of the kind of {_show(live[key])}, got {_show(value)}")
             # A checkpoint folder names the step it holds; another step means files were mixed up.
             for key, value in (("train_state.step", extra["train_state"]["step"]),
                                ("lr_scheduler.last_epoch", extra["lr_scheduler"]["last_epoch"])):
@@ -432,10 +468,40 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:
             raise UserError(f"checkpoint {path} cannot be loaded: {describe_error(e)}") from None
         t.state.load_state_dict(extra["train_state"])
+        self._reconcile_config(path, extra)
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and t.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], t.device)
+
+    def _reconcile_config(self, path: Path, extra: dict[str, Any]) -> None:
+        """Warn once for each optimizer or schedule key this run changes, saying which value is in force.
+
+        The optimizer's hyperparameters and the peak lr are the checkpoint's (they live in its param
+        groups and the scheduler's base_lrs): the config takes them, so config.toml records what the
+        run uses. The schedule's shape is rebuilt from this run's config on every start, so the new
+        warmup / decay / min_lr_ratio / steps apply from the next step on.
+        """
+        t = self.trainer
+        opt = t.cfg.optimizer
+        group = extra["optimizer_param_groups"][0]  # the decayed matrices: weight_decay is the config's
+        saved = {
+            "optimizer.lr": extra["lr_scheduler"]["base_lrs"][0], "optimizer.weight_decay": group["weight_decay"],
+            "optimizer.betas": list(group["betas"]), "optimizer.eps": group["eps"],
+        }
+        live = {"optimizer.lr": opt.lr, "optimizer.weight_decay": opt.weight_decay,
+                "optimizer.betas": list(opt.betas), "optimizer.eps": opt.eps}
+        for key, value in saved.items():
+            if value != live[key] and t.is_main:
+                warn(f"{key} = {live[key]} differs from {value} in checkpoint {path}: the checkpoint's "
+                     f"{value} stays in force (its optimizer state is resumed), and config.toml records it")
+        opt.lr, opt.weight_decay, opt.betas, opt.eps = (
+            saved["optimizer.lr"], saved["optimizer.weight_decay"], saved["optimizer.betas"], saved["optimizer.eps"])
+        for key, value in extra.get("schedule", {}).items():
+            new = schedule_values(t.cfg)[key]
+            if value != new and t.is_main:
+                warn(f"{key} = {new} differs from {value} in checkpoint {path}: this run's {new} applies "
+                     f"from step {t.state.step + 1} on (the lr schedule is rebuilt from the config)")
 
     def load_initial_weights(self) -> None:
         """Model weights only (no optimizer state) from dcp / hf / meta / torch files."""

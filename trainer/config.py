@@ -52,6 +52,11 @@ class ModelConfig:
     flavor: str = _opt("debug", "Model size.", ("debug", "7B", "13B", "70B"))
     tokenizer_path: str = _opt("data/tokenizer.model", "sentencepiece tokenizer.model (LLaMA-2 format: BOS 1, EOS 2).")
     n_layers: int = _opt(0, "Override the flavour's number of layers (0 = flavour default); e.g. fewer layers to fit one GPU.")
+    max_seq_len: int = _opt(
+        0,
+        "Longest sequence the model is built for (RoPE table size); 0 = the flavour's (debug 2048, 7B 4096). "
+        "Set it to at least training.seq_len to train beyond the flavour's length.",
+    )
 
 
 @dataclass
@@ -111,6 +116,11 @@ class TrainingConfig:
     seed: int = _opt(42, "Seed for weights init and dropout-free randomness.")
     deterministic: bool = _opt(False, "Use deterministic algorithms (slower).")
     device: str = _opt("auto", "auto = CUDA when available, else CPU.", ("auto", "cuda", "cpu"))
+    skip_nonfinite_steps: int = _opt(
+        0,
+        "A step whose loss or grad norm is NaN/inf is never applied; 0 = stop the run there, N = skip up to N "
+        "such steps in a row (counted as skipped_steps in the metrics) and stop at the next.",
+    )
 
 
 @dataclass
@@ -400,8 +410,8 @@ def validate(cfg: Config) -> None:
             raise UserError(f"{section}.{key} must be positive, got {value}")
     non_negative = [
         ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
-        ("checkpoint", "keep_latest_k"), ("model", "n_layers"), ("float8", "min_features"),
-        ("optimizer", "eps"),
+        ("checkpoint", "keep_latest_k"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
+        ("optimizer", "eps"), ("training", "skip_nonfinite_steps"),
     ]
     for section, key in non_negative:
         value = getattr(getattr(cfg, section), key)

@@ -110,11 +110,11 @@ def launch_key() -> str | None:
     if run_id is None:
         return None
     agent = os.getppid()
-    parts = [str(agent), _start_time(agent), run_id, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")]
+    parts = [str(agent), process_start_time(agent), run_id, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def _start_time(pid: int) -> str:
+def process_start_time(pid: int) -> str:
     """When `pid` started, in clock ticks since boot (Linux); '' where unknown."""
     try:
         # Field 22 of /proc/<pid>/stat; fields 3.. follow the ')' that ends the command name.

@@ -16,7 +16,15 @@ from trainer.errors import UserError
 def model_args_for(cfg: Config, tokenizer_words: int | None) -> LlamaArgs:
     """The flavour's shape, with the config's overrides, checked against the tokenizer."""
     args = LLAMA2_FLAVORS[cfg.model.flavor]
-    changes: dict[str, Any] = {"max_seq_len": max(args.max_seq_len, cfg.training.seq_len)}
+    max_seq_len = cfg.model.max_seq_len or args.max_seq_len
+    if cfg.training.seq_len > max_seq_len:
+        where = f"model.max_seq_len = {max_seq_len}" if cfg.model.max_seq_len else (
+            f"the max_seq_len {max_seq_len} of model.flavor '{cfg.model.flavor}'")
+        raise UserError(
+            f"training.seq_len = {cfg.training.seq_len} exceeds {where}; shorten it, or set model.max_seq_len "
+            f">= {cfg.training.seq_len} to train on longer sequences than the flavour's"
+        )
+    changes: dict[str, Any] = {"max_seq_len": max_seq_len}
     if cfg.model.n_layers:
         changes["n_layers"] = cfg.model.n_layers
     args = dataclasses.replace(args, **changes)

@@ -8,6 +8,7 @@ optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import signal
@@ -24,6 +25,7 @@ from trainer import distributed
 from trainer.advisor import advise
 from trainer.config import Config, check_layout, to_toml
 from trainer.data import build_dataloader
+from trainer.dump import move_previous_records
 from trainer.errors import UserError, reported_in_this_launch
 from trainer.metrics import (
     MetricsLogger,
@@ -183,11 +185,13 @@ class Trainer:
 
     def train_step(
         self, micro_batches: list[dict[str, torch.Tensor]], timer: StepTimer
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Launch one optimizer step over the micro-batches, without waiting for the device.
+    ) -> tuple[float, float, bool, Any]:
+        """One optimizer step over the micro-batches, applied only when its loss and grad norm are finite.
 
-        Returns the mean loss and the grad norm as device tensors (reading them waits for
-        the step) and the timer mark where backward ended.
+        Returns the mean loss, the grad norm, whether the step was applied and the timer
+        mark where backward ended. Reading the loss and grad norm waits for backward (one
+        sync per step): the decision must precede the optimizer step, and a non-finite
+        gradient applied once would leave non-finite weights behind.
         """
         cfg = self.cfg
         # The loss is a mean over every target token of the global batch, so the same
@@ -214,14 +218,32 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        # Both are global (all-reduced), so every rank takes the same decision.
+        loss, norm = torch.stack([loss_total / n_tokens, grad_norm.double()]).tolist()
+        applied = math.isfinite(loss) and math.isfinite(norm)
+        if applied:
+            self.optimizer.step()
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if cfg.float8.enabled and cfg.float8.fsdp_float8_all_gather:
+        if applied and cfg.float8.enabled and cfg.float8.fsdp_float8_all_gather:
             from float8 import precompute_float8_scales_for_fsdp
 
             precompute_float8_scales_for_fsdp(self.model)
-        return loss_total / n_tokens, grad_norm, t_backward
+        return loss, norm, applied, t_backward
+
+    def _skip_or_stop(self, step: int, loss: float, grad_norm: float, in_a_row: int) -> None:
+        """A step left unapplied for a non-finite loss or grad norm: warn, or stop past the allowed run of them."""
+        which, value = ("loss", loss) if not math.isfinite(loss) else ("grad_norm", grad_norm)
+        limit = self.cfg.training.skip_nonfinite_steps
+        if in_a_row > limit:
+            allowed = f" ({in_a_row} in a row, training.skip_nonfinite_steps = {limit})" if limit else ""
+            raise UserError(
+                f"step {step}: {which} is {value}, the step was not applied{allowed}; lower optimizer.lr or "
+                "raise lr_scheduler.warmup_steps (or allow skipped steps with training.skip_nonfinite_steps)"
+            )
+        if self.is_main:
+            warn(f"step {step}: {which} is {value}, step skipped and retried on the next batch "
+                 f"({in_a_row} of at most {limit} in a row)")
 
     def _data_stats(self) -> dict[str, int]:
         """Epoch and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
@@ -249,14 +271,21 @@ class Trainer:
         cfg = self.cfg
         dump = Path(cfg.job.dump_folder)
         if self.is_main:
-            dump.mkdir(parents=True, exist_ok=True)
-            (dump / "config.toml").write_text(to_toml(cfg))
             self._startup_summary()
             for message in self.advice:
                 warn(message)
         resumed = self.checkpointer.load_latest()
-        if resumed and self.is_main:
-            print(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})", flush=True)
+        # The first write, once every input (data, tokenizer, checkpoint) has been accepted: a
+        # fresh run moves an earlier run's records aside instead of overwriting them. The config
+        # is written after the load, which may put the checkpoint's values in force.
+        if self.is_main:
+            if resumed:
+                print(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})", flush=True)
+            else:
+                kept = move_previous_records(dump)
+                if kept is not None:
+                    print(f"the previous run's records in {dump} were moved to {kept}", flush=True)
+            (dump / "config.toml").write_text(to_toml(cfg))
         logger = MetricsLogger(str(dump), self.run_name(), cfg.metrics.enable_tensorboard, self.is_main,
                                config_text=to_toml(cfg), resume_step=self.state.step if resumed else None)
         profiler = StepProfiler(cfg.profiling, dump, self.dist.rank, self.device)
@@ -270,6 +299,7 @@ class Trainer:
         tokens_per_gpu = tokens_per_step_local / self.tp
         train_start = time.perf_counter()
         first_step = self.state.step + 1
+        skipped_total = skipped_in_a_row = 0
         try:
             micro_batches = self._next_micro_batches(data_iter)
             # The loader state after the batches of the step about to run: what a checkpoint
@@ -281,21 +311,25 @@ class Trainer:
                 with profiler.step(step):
                     t_start = time.perf_counter()
                     t_launch = timer.mark()
-                    loss_t, grad_norm_t, t_backward = self.train_step(micro_batches, timer)
+                    loss, grad_norm, applied, t_backward = self.train_step(micro_batches, timer)
                     t_done = timer.mark()
-                    # The device runs this step while the host reads the next one.
+                    # The device runs the optimizer step while the host reads the next batches;
+                    # a skipped step is retried on them, so the last step may need them too.
                     t_data = time.perf_counter()
-                    if step < cfg.training.steps:
+                    if step < cfg.training.steps or not applied:
                         next_batches = self._next_micro_batches(data_iter)
                         next_state = self.dataloader.state_dict()
                     data_time = time.perf_counter() - t_data
-                    loss, grad_norm = loss_t.item(), grad_norm_t.item()
                 t_end = time.perf_counter()
-                self.state.step = step
                 self.state.tokens_seen += tokens_per_step_local * self.dp
-                if not torch.isfinite(torch.tensor(loss)):
-                    raise RuntimeError(f"loss is {loss} at step {step}")
-                if step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+                if applied:
+                    self.state.step = step
+                    skipped_in_a_row = 0
+                else:
+                    skipped_total += 1
+                    skipped_in_a_row += 1
+                    self._skip_or_stop(step, loss, grad_norm, skipped_in_a_row)
+                if applied and (step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps):
                     step_time = t_end - t_start
                     tps = tokens_per_gpu / step_time
                     tflops = tps * self.flops_per_token / 1e12
@@ -307,12 +341,13 @@ class Trainer:
                         "fwd_bwd_time_s": timer.seconds(t_launch, t_backward),
                         "optim_time_s": timer.seconds(t_backward, t_done),
                         **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
-                        **self._data_stats(),
+                        "skipped_steps": skipped_total, **self._data_stats(),
                     }
                     done = step - first_step + 1
                     eta = (time.perf_counter() - train_start) / done * (cfg.training.steps - step)
                     logger.log(record, cfg.training.steps, eta)
                 stop = self._stop_everywhere()
+                step = self.state.step
                 self.checkpointer.maybe_save(force=stop or step == cfg.training.steps)
                 if stop:
                     if self.is_main:

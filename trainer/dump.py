@@ -1,0 +1,142 @@
+"""The dump folder: writable before any work, owned by one run at a time, earlier runs' records kept.
+
+``<dump>/.lock`` names the run that owns the folder (host, pid, start time). It is created
+complete or not at all (written aside, then hard-linked into place, which fails if a lock
+exists), so a reader never sees half a lock. A lock whose process is gone from this host
+is stale: the next run takes it over with a warning. A lock of another host cannot be
+checked from here, so it is always treated as live.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import UserError, process_start_time
+from trainer.metrics import warn
+from trainer.weights import describe_error
+
+LOCK_NAME = ".lock"
+# What a fresh run moves into previous-N/ so that it never overwrites an earlier run's records.
+RECORDS = ("metrics.jsonl", "tb", "config.toml")
+
+
+def check_writable(folder: Path) -> None:
+    """Create `folder` (and missing parents) and a probe file in it, or raise a one-line UserError."""
+    probe = folder / f".probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"job.dump_folder '{folder}' is not a writable folder ({describe_error(e)})") from None
+
+
+def _owner() -> dict[str, Any]:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "proc_start": process_start_time(pid),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def _is_stale(owner: Any) -> bool:
+    """The lock's process is gone from this host (or the lock is unreadable, a writer killed mid-way)."""
+    if not isinstance(owner, dict) or type(owner.get("pid")) is not int:
+        return True
+    if owner.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # alive, another user's
+    # A reused pid belongs to a process started later than the lock's owner.
+    return bool(owner.get("proc_start")) and process_start_time(owner["pid"]) != owner["proc_start"]
+
+
+def _read_owner(lock: Path) -> Any:
+    try:
+        return json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def acquire_lock(folder: Path) -> Path:
+    """Take ``<folder>/.lock`` for this process; a one-line UserError when another live run holds it."""
+    lock = folder / LOCK_NAME
+    mine = _owner()
+    aside = folder / f"{LOCK_NAME}.{mine['host']}.{mine['pid']}"
+    aside.write_text(json.dumps(mine))
+    try:
+        while True:
+            try:
+                os.link(aside, lock)
+                return lock
+            except FileExistsError:
+                pass
+            owner = _read_owner(lock)
+            if not _is_stale(owner):
+                raise UserError(
+                    f"job.dump_folder '{folder}' is in use by another run (pid {owner['pid']} on "
+                    f"{owner.get('host')}, started {owner.get('started')}); wait for it, use another "
+                    f"dump_folder, or delete {lock} if that run is gone"
+                )
+            warn(f"taking over the stale lock {lock} of a run that is gone ({_describe(owner)})")
+            # Only the stale lock we read is removed: a run that took it over meanwhile keeps its own.
+            if _read_owner(lock) == owner:
+                lock.unlink(missing_ok=True)
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _describe(owner: Any) -> str:
+    if not isinstance(owner, dict):
+        return "unreadable lock file"
+    return f"pid {owner.get('pid')} on {owner.get('host')}, started {owner.get('started')}"
+
+
+def release_lock(lock: Path) -> None:
+    """Remove the lock if this process still owns it."""
+    owner = _read_owner(lock)
+    if isinstance(owner, dict) and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+        lock.unlink(missing_ok=True)
+
+
+@contextmanager
+def claim(folder: str) -> Iterator[None]:
+    """The dump folder for one run: checked writable on every rank, locked by rank 0 until the run ends.
+
+    Entered before the model is built, so an unusable or busy folder costs nothing.
+    """
+    path = Path(folder)
+    check_writable(path)
+    # torchrun's RANK is known before the process group exists; run directly, there is one rank.
+    lock = acquire_lock(path) if os.environ.get("RANK", "0") == "0" else None
+    try:
+        yield
+    finally:
+        if lock is not None:
+            release_lock(lock)
+
+
+def move_previous_records(folder: Path) -> Path | None:
+    """Move an earlier run's metrics.jsonl, tb/ and config.toml into ``previous-N/`` (N = 1, 2, ...).
+
+    Returns the folder they went to, or None when there was nothing to keep.
+    """
+    present = [folder / name for name in RECORDS if (folder / name).exists()]
+    if not present:
+        return None
+    taken = [int(p.name.split("-", 1)[1]) for p in folder.glob("previous-*") if p.name.split("-", 1)[1].isdigit()]
+    target = folder / f"previous-{max(taken, default=0) + 1}"
+    target.mkdir()
+    for path in present:
+        shutil.move(str(path), str(target / path.name))
+    return target
