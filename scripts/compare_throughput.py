@@ -219,7 +219,9 @@ def render_markdown(results: list[CellResult], info: dict[str, Any]) -> str:
     parts += [
         f"Medians over steps {warmup + 1}-{steps} of {steps} ({warmup} warm-up steps dropped); "
         f"first step s includes compilation; peak mem is the max over all steps of the {memory}; "
-        "MFU is against the GPU's bf16 dense peak (n/a on CPU).",
+        "MFU is against the GPU's bf16 dense peak (n/a on CPU)."
+        + ("" if env["gpu"] else " On a CPU without native bf16 the bf16 cells compute in float32 "
+           "(training.mixed_precision_param = auto)."),
         "",
         f"- command: `{info['command']}`",
         f"- date: {info['date']}",

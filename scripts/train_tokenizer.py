@@ -21,7 +21,7 @@ import sentencepiece as spm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.data import DataSource
+from trainer.data import BadRow, DataSource
 from trainer.errors import UserError
 from trainer.sft_data import SFTOptions, detect_format, parse_row, turn_strings
 
@@ -29,7 +29,9 @@ from trainer.sft_data import SFTOptions, detect_format, parse_row, turn_strings
 def texts(path: str) -> Iterator[str]:
     source = DataSource(path)
     options = SFTOptions()
-    for _, row in source.rows():
+    for loc, row in source.rows():
+        if isinstance(row, BadRow):
+            raise UserError(f"{source.locate(loc)}: {row.problem}")
         if isinstance(row.get("text"), str):
             yield row["text"]
         else:

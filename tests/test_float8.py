@@ -290,8 +290,13 @@ def test_compiled_matches_eager_fullgraph(scaling):
         m.zero_grad()
     out_e, gx_e, _ = run(model, x, g)
     out_c, gx_c, _ = run(compiled, x, g)
-    torch.testing.assert_close(out_c, out_e, rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(gx_c, gx_e, rtol=1e-2, atol=1e-2)
+    if cpu_float8_emulated(scaling):
+        # Emulated row-wise GEMMs (torch 2.11 on CPU) round an fp32 product that inductor
+        # fuses differently, so compiled and eager differ by float8 noise, not more.
+        assert sqnr(out_e, out_c) >= 30 and sqnr(gx_e, gx_c) >= 30
+    else:
+        torch.testing.assert_close(out_c, out_e, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(gx_c, gx_e, rtol=1e-2, atol=1e-2)
     for p_e, p_c in zip(model.parameters(), compiled.parameters()):
         assert sqnr(p_e.grad, p_c.grad) >= 30
 

@@ -243,7 +243,7 @@ def test_truncation_keeps_the_reply_and_counts(tok: Tokenizer, tmp_path: Path) -
     dl = sft_loader(tok, path, seq_len=32, pack=False, batch_size=3, shuffle=False)
     batch = next(iter(dl))
     assert dl.dataset.stats() == {"epoch": 1, "index": 0, "samples": 4, "truncated": 1,
-                                  "dropped": 1, "windows": 3}
+                                  "dropped": 1, "bad_rows": 0, "windows": 3}
     assert batch["input_ids"].shape == (3, 32)
     assert batch["input_ids"][0, 0] == tok.bos_id
     reply = tok.encode("owl dog ", bos=False, eos=True)

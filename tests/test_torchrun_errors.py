@@ -76,7 +76,7 @@ def test_error_on_one_rank_only(tmp_path, rank):
     args = ["--model.n_layers", "1", "--training.seq_len", "32", "--training.batch_size", "2",
             "--metrics.enable_tensorboard", "false"]
     proc = run_hooked(tmp_path, args, {str(rank): {"raise_at_first_batch": f"bad row seen by rank {rank}"}})
-    assert_one_line(proc, f"error: bad row seen by rank {rank}")
+    assert_one_line(proc, f"error: step 1: bad row seen by rank {rank}")
 
 
 REPORTER = textwrap.dedent("""

@@ -2,8 +2,8 @@
 
 Layout under ``checkpoint.folder``::
 
-    step-N/            a complete checkpoint: DCP shards + .metadata, extra.json, rng/
-    step-N.partial/    being written; never loaded, removed by the next save
+    step-N/            a complete checkpoint: DCP shards + .metadata, extra.json, rng/, checksums.json
+    step-N.partial/    being written; never loaded, removed at startup and by the next save
     final/             model-only export (model.safetensors + params.json)
 
 A checkpoint becomes visible only by the rename of ``step-N.partial`` to ``step-N``,
@@ -17,6 +17,11 @@ tokens seen, LR schedule, optimizer hyperparameters, dataloader position) is JSO
 ``extra.json`` and RNG states are safetensors, so loading never unpickles anything:
 DCP would otherwise pickle non-tensor entries and load them with
 ``torch.load(weights_only=False)``.
+
+``checksums.json`` (see ``trainer/checksums.py``) lists every file's CRC-32, computed once
+every rank finished writing and before the rename, and checked before a resume loads any
+tensor. A save that fails (a full disk, any I/O error) removes its partial folder and
+stops the run with one line; the earlier checkpoints stay as they were.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -45,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from trainer import checksums
 from trainer.errors import UserError
 from trainer.metrics import warn
 from trainer.weights import (
@@ -121,6 +127,40 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def free_bytes(folder: Path) -> int:
+    """Free space of the disk that holds `folder`, or would hold it once created."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def checkpoint_bytes(model: torch.nn.Module) -> int:
+    """Estimated size of one checkpoint: the weights and AdamW's two moments, each of the weights' dtype.
+
+    Parameters are DTensors under FSDP / TP, whose numel is the full (global) one.
+    """
+    return sum(3 * p.numel() * p.dtype.itemsize for p in model.parameters())
+
+
+def checkpoints_to_hold(saves: int, keep_latest_k: int, existing: int) -> int:
+    """How many more checkpoints the disk must hold at once for a run that writes `saves` of them.
+
+    Old ones are rotated away only after a new one is published: with keep_latest_k = K the
+    folder peaks at K + 1, of which the `existing` ones already take their space.
+    """
+    if keep_latest_k <= 0:
+        return saves
+    return min(saves, max(1, keep_latest_k + 1 - existing))
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -240,7 +280,7 @@ class CheckpointManager:
         folder = Path(cfg.folder)
         self.folder = folder if folder.is_absolute() else Path(trainer.cfg.job.dump_folder) / folder
         self.last_loaded: Path | None = None
-        self._pending: tuple[Any, Path, Path, float] | None = None
+        self._pending: tuple[Any, Path, Path, float, int] | None = None
         self._last_saved_step = -1
         # Async saves run their collectives on a gloo group of their own, in a background
         # thread: they must not interleave with the training collectives of the main thread.
@@ -284,35 +324,54 @@ class CheckpointManager:
             for stale in [*self.folder.glob("step-*.partial"), *self.folder.glob("step-*.deleting")]:
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
-        (partial / "rng").mkdir(parents=True, exist_ok=True)
-        save_file(_rng_state(), str(partial / "rng" / f"rank-{t.dist.rank}.safetensors"))
         app = _ModelAndOptimizer(t.model, t.optimizer)
         state = {"app": app.state_dict()}
-        if t.is_main:
-            extra = {
-                "train_state": t.state.state_dict(),
-                "lr_scheduler": t.lr_scheduler.state_dict(),
-                "optimizer_param_groups": app.saved_param_groups,
-                "dataloader": t.data_state,
-                "global_batch": self._global_batch(),
-                "world_size": t.dist.world_size,
-                "dp": t.dp,
-                "tp": t.tp,
-                "schedule": schedule_values(t.cfg),
-            }
-            (partial / "extra.json").write_text(json.dumps(extra))
-        if self.cfg.async_mode == "async":
-            # async_save copies the tensors to host memory before it returns; training goes on
-            # while a background thread writes them.
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._pg)
-            self._pending = (future, partial, final, start)
+        try:
+            (partial / "rng").mkdir(parents=True, exist_ok=True)
+            save_file(_rng_state(), str(partial / "rng" / f"rank-{t.dist.rank}.safetensors"))
+            if t.is_main:
+                self._write_extra(partial, app)
+            problem = ""
+        except (OSError, RuntimeError) as e:  # safetensors reports write errors as RuntimeError
+            problem = describe_error(e)
+        # A rank-local failure must stop every rank before the collective write.
+        problem = self._first_problem(problem)
+        if problem:
+            self._fail_save(step, partial, problem)
+        try:
+            if self.cfg.async_mode == "async":
+                # async_save copies the tensors to host memory before it returns; training goes on
+                # while a background thread writes them.
+                future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._pg)
+                self._pending = (future, partial, final, start, step)
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
+        except (OSError, RuntimeError, CheckpointException) as e:
+            # DCP gathers every rank's write result, so all ranks get here together. A full
+            # disk shows as whatever write failed first (e.g. torch's "unexpected pos").
+            self._fail_save(step, partial, describe_error(e))
+        if self._pending is not None:
             if t.is_main:
                 print(f"checkpoint step-{step}: staged in {time.perf_counter() - start:.1f}s, "
                       "writing in the background", flush=True)
         else:
-            dcp.save(state, checkpoint_id=str(partial))
-            self._publish(partial, final, start)
+            self._publish(partial, final, start, step)
         self._last_saved_step = step
+
+    def _write_extra(self, partial: Path, app: _ModelAndOptimizer) -> None:
+        t = self.trainer
+        extra = {
+            "train_state": t.state.state_dict(),
+            "lr_scheduler": t.lr_scheduler.state_dict(),
+            "optimizer_param_groups": app.saved_param_groups,
+            "dataloader": t.data_state,
+            "global_batch": self._global_batch(),
+            "world_size": t.dist.world_size,
+            "dp": t.dp,
+            "tp": t.tp,
+            "schedule": schedule_values(t.cfg),
+        }
+        (partial / "extra.json").write_text(json.dumps(extra))
 
     def _poll_pending(self) -> None:
         """Publish an async save as soon as every rank finished writing it."""
@@ -326,13 +385,66 @@ class CheckpointManager:
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        future, partial, final, start = self._pending
+        future, partial, final, start, step = self._pending
         self._pending = None
-        future.result()
-        self._publish(partial, final, start)
+        try:
+            future.result()
+        except (OSError, RuntimeError, CheckpointException) as e:
+            self._fail_save(step, partial, describe_error(e))
+        self._publish(partial, final, start, step)
 
-    def _publish(self, partial: Path, final: Path, start: float) -> None:
+    def _first_problem(self, problem: str) -> str:
+        """The first rank's non-empty `problem`, on every rank ('' when none has one)."""
+        problems = [""] * self.trainer.dist.world_size
+        dist.all_gather_object(problems, problem)
+        return next((p for p in problems if p), "")
+
+    def _fail_save(self, step: int, partial: Path, cause: str) -> NoReturn:
+        """Remove the partial folder of a save that failed on any rank, and stop with one line."""
+        t = self.trainer
+        free = free_bytes(self.folder)  # before the removal: what the write ran into
         dist.barrier()
+        if t.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        dist.barrier()
+        done = step_folders(self.folder)
+        latest = f"step-{max(done)} is the latest complete one" if done else "no complete checkpoint exists yet"
+        raise UserError(
+            f"checkpoint step-{step} could not be written to {partial} ({cause}); the disk had "
+            f"{format_bytes(free)} free, a checkpoint needs about {format_bytes(checkpoint_bytes(t.model))}; "
+            f"the incomplete checkpoint was removed and {latest}"
+        )
+
+    def _write_checksums(self, step: int, partial: Path) -> None:
+        """checksums.json of every file in `partial`, the files hashed in shares by all ranks."""
+        t = self.trainer
+        names: list[Any] = [checksums.list_files(partial) if t.is_main else None]
+        dist.broadcast_object_list(names, src=0)
+        mine: dict[str, Any] = {}
+        problem = ""
+        try:
+            mine = checksums.describe(partial, names[0][t.dist.rank :: t.dist.world_size])
+        except OSError as e:
+            problem = describe_error(e)
+        shares: list[Any] = [None] * t.dist.world_size
+        dist.all_gather_object(shares, (mine, problem))
+        problem = next((p for _, p in shares if p), "")
+        if not problem and t.is_main:
+            try:
+                checksums.write(partial, dict(sorted((k, v) for share, _ in shares for k, v in share.items())))
+            except OSError as e:
+                problem = describe_error(e)
+        problem = self._first_problem(problem)
+        if problem:
+            self._fail_save(step, partial, problem)
+
+    def _publish(self, partial: Path, final: Path, start: float, step: int) -> None:
+        dist.barrier()  # every rank finished writing its files
+        hashed = ""
+        if self.cfg.verify_checksums:
+            hash_start = time.perf_counter()
+            self._write_checksums(step, partial)
+            hashed = f", checksums {time.perf_counter() - hash_start:.1f}s"
         if self.trainer.is_main:
             if final.exists():
                 _remove(final)
@@ -343,7 +455,7 @@ class CheckpointManager:
                 others = [p for p in step_folders(self.folder).values() if p != final]
                 for old in others[: max(len(others) - self.cfg.keep_latest_k + 1, 0)]:
                     _remove(old)
-            print(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s)", flush=True)
+            print(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s{hashed})", flush=True)
         dist.barrier()
 
     def close(self) -> None:
@@ -372,12 +484,44 @@ class CheckpointManager:
         elif found:
             path = found[max(found)]
         else:
-            if self.cfg.initial_load_path:
-                self.load_initial_weights()
-            return False
-        self._load(path)
-        self.last_loaded = path
-        return True
+            path = None
+        if self.cfg.enable:
+            self._remove_unfinished()
+        if path is not None:
+            self._load(path)
+            self.last_loaded = path
+        elif self.cfg.initial_load_path:
+            self.load_initial_weights()
+        if self.cfg.enable:
+            self._check_disk_space()
+        return path is not None
+
+    def _remove_unfinished(self) -> None:
+        """Remove the leftovers of a run stopped while saving or rotating: they only fill the disk."""
+        if not self.trainer.is_main:
+            return
+        for stale in sorted([*self.folder.glob("step-*.partial"), *self.folder.glob("step-*.deleting")]):
+            shutil.rmtree(stale, ignore_errors=True)
+            if stale.suffix == ".partial":
+                print(f"removed the unfinished checkpoint {stale} (left by a run stopped while saving it)",
+                      flush=True)
+
+    def _check_disk_space(self) -> None:
+        """Warn at startup when the disk cannot hold the checkpoints this run keeps at once."""
+        t = self.trainer
+        if not t.is_main:
+            return
+        steps, interval, step, keep = t.cfg.training.steps, self.cfg.interval, t.state.step, self.cfg.keep_latest_k
+        # At every multiple of the interval, and at the last step.
+        saves = steps // interval - step // interval + int(steps > step and steps % interval != 0)
+        count = checkpoints_to_hold(saves, keep, len(step_folders(self.folder)))
+        size = checkpoint_bytes(t.model)
+        free = free_bytes(self.folder)
+        if count and free < count * size:
+            held = f"keep_latest_k = {keep} holds {keep + 1} while saving" if keep > 0 else "keep_latest_k = 0 keeps all"
+            warn(f"checkpoint folder {self.folder} has {format_bytes(free)} free, but this run's checkpoints need "
+                 f"about {format_bytes(count * size)} ({count} x {format_bytes(size)}; {held}); a save that does "
+                 "not fit stops the run, so free space, use another checkpoint.folder or lower checkpoint.keep_latest_k")
 
     def _check_extra(self, path: Path, extra: dict[str, Any], param_groups: list[dict[str, Any]]) -> None:
         """Every field of extra.json has the shape this run's objects load, checked before loading anything."""
@@ -390,6 +534,10 @@ class CheckpointManager:
             _check_like(extra["train_state"], t.state.state_dict(), "train_state")
             _check_like(extra["lr_scheduler"], t.lr_scheduler.state_dict(), "lr_scheduler")
             _check_param_groups(extra["optimizer_param_groups"], param_groups, "optimizer_param_groups")
+            dataset_state = extra["dataloader"].get("dataset_state") if isinstance(extra["dataloader"], dict) else None
+            if isinstance(dataset_state, dict):
+                # Checkpoints from before bad-row counting (data.bad_rows) saw none.
+                dataset_state.setdefault("bad_rows", 0)
             _check_like(extra["dataloader"], t.dataloader.state_dict(), "dataloader")
             if "schedule" in extra:
                 live = schedule_values(t.cfg)
@@ -441,8 +589,46 @@ class CheckpointManager:
             raise UserError(first)
         return rng
 
+    def _verify_checksums(self, path: Path) -> str:
+        """Check every file against checksums.json, the files shared among the ranks; says what was done."""
+        if not self.cfg.verify_checksums:
+            return "checksums not verified"
+        t = self.trainer
+        start = time.perf_counter()
+        listed = None
+        problem = ""
+        try:
+            listed = checksums.read(path)
+            if listed is not None:
+                if t.is_main:
+                    checksums.check_listing(listed, checksums.list_files(path))
+                checksums.check_files(path, listed, sorted(listed)[t.dist.rank :: t.dist.world_size])
+        except checksums.ChecksumError as e:
+            problem = str(e)
+        # One collective whatever happened, so no rank waits for another that stopped early.
+        outcomes: list[Any] = [None] * t.dist.world_size
+        dist.all_gather_object(outcomes, (problem, listed is None))
+        problem = next((p for p, _ in outcomes if p), "")
+        if problem:
+            raise UserError(f"checkpoint {path}: {problem}; {self._older_hint(path)}")
+        if outcomes[0][1]:
+            if t.is_main:
+                warn(f"checkpoint {path} has no {checksums.CHECKSUMS_FILE} (written before checksums existed or "
+                     "with checkpoint.verify_checksums = false): its files are loaded unverified")
+            return "no checksums to verify"
+        return f"checksums {time.perf_counter() - start:.1f}s"
+
+    def _older_hint(self, path: Path) -> str:
+        step = int(_STEP_DIR.match(path.name).group(1))
+        older = [s for s in step_folders(self.folder) if s < step]
+        if older:
+            return (f"resume from an older checkpoint with checkpoint.load_step = {older[-1]} "
+                    f"(older steps: {', '.join(map(str, older))})")
+        return "no older checkpoint exists: restore this one from a copy, or move it away to start over"
+
     def _load(self, path: Path) -> None:
         t = self.trainer
+        start = time.perf_counter()
         # Everything is checked before anything loads, so a refused checkpoint leaves no half-loaded state.
         extra = read_extra(path)
         metadata = read_dcp_metadata(path, "checkpoint")
@@ -457,6 +643,9 @@ class CheckpointManager:
                 "resuming would change the data order, so set them to give the same global batch"
             )
         rng = self._read_rng(path, extra["world_size"])
+        # After the checks above, which name a truncated or hand-edited field precisely; before
+        # dcp.load, which would load damaged bytes without noticing.
+        verified = self._verify_checksums(path)
         groups = _param_groups_from_json(extra["optimizer_param_groups"])
         app = _ModelAndOptimizer(t.model, t.optimizer, param_groups_to_load=groups)
         try:
@@ -473,6 +662,8 @@ class CheckpointManager:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and t.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], t.device)
+        if t.is_main:
+            print(f"checkpoint loaded: {path} ({time.perf_counter() - start:.1f}s, {verified})", flush=True)
 
     def _reconcile_config(self, path: Path, extra: dict[str, Any]) -> None:
         """Warn once for each optimizer or schedule key this run changes, saying which value is in force.

@@ -131,6 +131,13 @@ class DataConfig:
     path: str = _opt("data/corpus", "File, folder or glob of .txt/.jsonl/.parquet (or a hub dataset name when online).")
     format: str = _opt("auto", "Input format (auto = by file extension).", ("auto", "text", "jsonl", "parquet"))
     text_field: str = _opt("text", "Field holding the text in JSON Lines / parquet pretraining data.")
+    bad_rows: str = _opt(
+        "error",
+        "A data row that is not UTF-8, not JSON or lacks its field(s): error = stop the run naming file and line "
+        "(local data up to 1 GB, and all SFT data, is checked before the first step); skip = skip it, "
+        "warn once and count it as data/bad_rows in the metrics.",
+        ("error", "skip"),
+    )
     sft_format: str = _opt("auto", "SFT row format.", ("auto", "alpaca", "chat"))
     instruction_field: str = _opt("instruction", "Alpaca field with the instruction.")
     input_field: str = _opt("input", "Alpaca field with the optional input.")
@@ -178,6 +185,7 @@ class CheckpointConfig:
     initial_load_format: str = _opt("dcp", "Format of initial_load_path.", ("dcp", "hf", "meta", "torch"))
     export_dtype: str = _opt("bfloat16", "dtype of the model-only export written at the end (model.safetensors).", ("bfloat16", "float32"))
     export_final: bool = _opt(False, "Write <folder>/final/model.safetensors (model only) after the last step.")
+    verify_checksums: bool = _opt(True, "Write a CRC-32 of every checkpoint file (checksums.json) and check them before resuming, so damaged files are refused instead of loaded.")
 
 
 @dataclass

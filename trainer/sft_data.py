@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from trainer.data import IGNORE_INDEX, DataSource, Location, WindowDataset
+from trainer.data import IGNORE_INDEX, BadRow, DataSource, Progress, WindowDataset, skip_warning
 from trainer.errors import UserError
+from trainer.metrics import warn
 from trainer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -180,22 +181,40 @@ def load_sft_rows(
     path: str, options: SFTOptions, data_format: str = "auto"
 ) -> list[dict[str, Any]]:
     """All rows of an SFT file, validated (errors name the file and line)."""
-    return [row for _, row, _ in _load(DataSource(path, data_format), options)]
+    return [entry[0] for entry in _load(DataSource(path, data_format), options) if entry is not None]
 
 
-def _load(source: DataSource, options: SFTOptions) -> list[tuple[Location, dict[str, Any], Dialog]]:
+def _load(
+    source: DataSource, options: SFTOptions, bad_rows: str = "error", verbose: bool = False
+) -> list[tuple[dict[str, Any], Dialog] | None]:
+    """(row, dialog) of every row, None in place of a bad row skipped (bad_rows = "skip")."""
     if source.format == "text":
         raise UserError(f"SFT data must be JSON Lines or parquet, got text: {source.name}")
-    out = []
+    out: list[tuple[dict[str, Any], Dialog] | None] = []
     fmt = None
+    bad, first = 0, ""
+    progress = Progress(f"reading SFT data {source.name}", verbose)
     for loc, row in source.rows():
         try:
+            if isinstance(row, BadRow):
+                raise UserError(row.problem)
             fmt = fmt or detect_format(row, options)
-            out.append((loc, row, parse_row(row, fmt, options)))
+            out.append((row, parse_row(row, fmt, options)))
         except UserError as e:
-            raise UserError(f"{source.locate(loc)}: {e}") from None
+            line = f"{source.locate(loc)}: {e}"
+            if bad_rows == "error":
+                raise UserError(line) from None
+            first = first or line
+            bad += 1
+            out.append(None)
+        progress.tick(len(out))
+    progress.done(len(out))
     if not out:
         raise UserError(f"SFT data {source.name} has no rows")
+    if bad == len(out):
+        raise UserError(f"all {bad} rows of SFT data {source.name} are bad, the first: {first}")
+    if bad and verbose:
+        warn(skip_warning(source.name, first, bad))
     return out
 
 
@@ -220,11 +239,13 @@ class SFTDataset(WindowDataset):
 
     All rows are read and validated up front (SFT sets are small); tokenization
     happens as samples are used. State: the next sample ``index`` in ``epoch``'s
-    order plus running counts of ``samples`` used, ``truncated`` and ``dropped``.
+    order plus running counts of ``samples`` used, ``truncated`` and ``dropped``,
+    and of ``bad_rows`` passed over. A skipped bad row keeps its place in the
+    order, so the order and the counts do not depend on how many rows are bad.
     """
 
     kind = "sft"
-    state_keys = ("epoch", "index", "samples", "truncated", "dropped", "windows")
+    state_keys = ("epoch", "index", "samples", "truncated", "dropped", "bad_rows", "windows")
 
     def __init__(
         self,
@@ -236,13 +257,15 @@ class SFTDataset(WindowDataset):
         dp_degree: int,
         seed: int,
         options: SFTOptions,
+        bad_rows: str = "error",
+        verbose: bool = False,
     ) -> None:
         super().__init__(batch_size, dp_rank, dp_degree)
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.seed = seed
         self.options = options
-        self.dialogs = [d for _, _, d in _load(source, options)]
+        self.dialogs = [None if e is None else e[1] for e in _load(source, options, bad_rows, verbose)]
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
         self._order: tuple[int, list[int]] = (-1, [])
         self._warned = False
@@ -255,9 +278,9 @@ class SFTDataset(WindowDataset):
             self._order = (epoch, order)
         return self._order[1]
 
-    def sample(self, i: int) -> tuple[tuple[list[int], list[int]] | None, bool]:
-        """((input_ids, labels), truncated) of dialog ``i``; None when it is dropped."""
-        turns = encode_turns(self.dialogs[i], self.tokenizer)
+    def sample(self, dialog: Dialog) -> tuple[tuple[list[int], list[int]] | None, bool]:
+        """((input_ids, labels), truncated) of ``dialog``; None when it is dropped."""
+        turns = encode_turns(dialog, self.tokenizer)
         ids, trained = _flatten(turns, self.options.train_on)
         truncated = False
         if len(ids) > self.seq_len + 1:
@@ -279,23 +302,25 @@ class SFTDataset(WindowDataset):
     def samples(self, state: dict[str, int]) -> Iterator[tuple[Any, dict[str, int]]]:
         """Yield (sample or None, counts including it, position after it), forever."""
         epoch, index = state["epoch"], state["index"]
-        counts = {k: state[k] for k in ("samples", "truncated", "dropped")}
+        counts = {k: state[k] for k in ("samples", "truncated", "dropped", "bad_rows")}
         while True:
             order = self.order(epoch)
             kept = 0
             for i in range(index, len(order)):
-                sample, truncated = self.sample(order[i])
+                dialog = self.dialogs[order[i]]
+                sample, truncated = (None, False) if dialog is None else self.sample(dialog)
                 counts = {
-                    "samples": counts["samples"] + 1,
+                    "samples": counts["samples"] + (dialog is not None),
                     "truncated": counts["truncated"] + truncated,
-                    "dropped": counts["dropped"] + (sample is None),
+                    "dropped": counts["dropped"] + (dialog is not None and sample is None),
+                    "bad_rows": counts["bad_rows"] + (dialog is None),
                 }
                 kept += sample is not None
                 nxt = (epoch, i + 1) if i + 1 < len(order) else (epoch + 1, 0)
                 yield sample, {"epoch": nxt[0], "index": nxt[1], **counts}
             if kept == 0 and index == 0:
                 raise UserError(
-                    f"all {len(order)} SFT samples are longer than seq_len {self.seq_len} "
+                    f"all {sum(d is not None for d in self.dialogs)} SFT samples are longer than seq_len {self.seq_len} "
                     f"and were dropped (truncation = '{self.options.truncation}')"
                 )
             epoch, index = epoch + 1, 0

@@ -106,6 +106,7 @@ class Trainer:
             kind=cfg.data.kind, path=cfg.data.path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
             batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=dp, seed=cfg.training.seed,
             text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
+            bad_rows=cfg.data.bad_rows, verbose=self.is_main,
         )
 
         model = build_meta_model(self.model_args)
@@ -246,10 +247,27 @@ class Trainer:
                  f"({in_a_row} of at most {limit} in a row)")
 
     def _data_stats(self) -> dict[str, int]:
-        """Epoch and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
+        """Epoch, bad rows skipped and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
         stats = self.data_state["dataset_state"]
-        keys = ("epoch", "samples", "truncated", "dropped")
+        keys = ("epoch", "samples", "truncated", "dropped", "bad_rows")
         return {f"data/{k}": int(stats[k]) for k in keys if k in stats}
+
+    def _stop_on_data_error(self, error: UserError, first_step: int) -> None:
+        """Save the last completed step, then stop naming the step whose batches hit the bad row.
+
+        Every rank reads the whole stream, so all ranks meet the row together and save together.
+        """
+        step = self.state.step
+        if not self.cfg.checkpoint.enable:
+            saved = "no checkpoint (checkpointing disabled)"
+        elif step >= first_step:
+            self.checkpointer.maybe_save(force=True)
+            saved = f"checkpoint of step {step} saved"
+        else:
+            saved = "no checkpoint saved (no step completed in this run)"
+        raise UserError(
+            f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)"
+        )
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
@@ -301,7 +319,10 @@ class Trainer:
         first_step = self.state.step + 1
         skipped_total = skipped_in_a_row = 0
         try:
-            micro_batches = self._next_micro_batches(data_iter)
+            try:
+                micro_batches = self._next_micro_batches(data_iter)
+            except UserError as e:
+                raise UserError(f"step {first_step}: {e}") from None
             # The loader state after the batches of the step about to run: what a checkpoint
             # of that step records, although the next step's batches are read meanwhile.
             self.data_state = self.dataloader.state_dict()
@@ -316,9 +337,13 @@ class Trainer:
                     # The device runs the optimizer step while the host reads the next batches;
                     # a skipped step is retried on them, so the last step may need them too.
                     t_data = time.perf_counter()
+                    data_error = None
                     if step < cfg.training.steps or not applied:
-                        next_batches = self._next_micro_batches(data_iter)
-                        next_state = self.dataloader.state_dict()
+                        try:
+                            next_batches = self._next_micro_batches(data_iter)
+                            next_state = self.dataloader.state_dict()
+                        except UserError as e:  # a bad data row: this step is still completed and saved
+                            data_error = e
                     data_time = time.perf_counter() - t_data
                 t_end = time.perf_counter()
                 self.state.tokens_seen += tokens_per_step_local * self.dp
@@ -346,6 +371,8 @@ class Trainer:
                     done = step - first_step + 1
                     eta = (time.perf_counter() - train_start) / done * (cfg.training.steps - step)
                     logger.log(record, cfg.training.steps, eta)
+                if data_error is not None:
+                    self._stop_on_data_error(data_error, first_step)
                 stop = self._stop_everywhere()
                 step = self.state.step
                 self.checkpointer.maybe_save(force=stop or step == cfg.training.steps)
