@@ -9,6 +9,7 @@ import torch
 from models.llama import num_params
 from trainer.advisor import advise
 from trainer.config import Config, check_layout
+from trainer.memory_plan import check_plan
 from trainer.metrics import flops_per_token
 from trainer.model_setup import build_meta_model, convert_float8, model_args_for
 from trainer.precision import resolve_param_precision
@@ -55,6 +56,13 @@ def print_plan(cfg: Config) -> None:
     if report is not None:
         lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
     notes = advise(cfg, device, report, dp, tp)
+    # On a host without a GPU, a plan left on training.device = 'auto' is likely meant for a GPU
+    # machine: one that cannot fit this host is a warning; a plan for this device is refused.
+    planned_elsewhere = device.type == "cpu" and t.device == "auto"
+    memory, too_big = check_plan(cfg, args, device, dp, tp, params.dtype, refuse=not planned_elsewhere)
+    lines.append(f"  memory estimate   {memory.summary()}")
+    if too_big:
+        notes.append(too_big.replace("the plan needs", "on this host (no GPU) the plan needs", 1))
     for note in [params.warning, *notes] if params.warning else notes:
         lines.append(f"  warning: {note}")
     print("\n".join(lines), flush=True)

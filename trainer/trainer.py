@@ -27,6 +27,7 @@ from trainer.config import Config, check_layout, to_toml
 from trainer.data import build_dataloader
 from trainer.dump import move_previous_records
 from trainer.errors import UserError, reported_in_this_launch
+from trainer.memory_plan import check_plan
 from trainer.metrics import (
     MetricsLogger,
     StepTimer,
@@ -98,6 +99,9 @@ class Trainer:
         self.dist = distributed.init_distributed(device_type)
         self.device = self.dist.device
         self.is_main = self.dist.is_main
+        # Before the data is read and any weight allocated: a plan whose memory cannot fit is
+        # refused with the numbers (trainer/memory_plan.py).
+        self.memory, _ = check_plan(cfg, self.model_args, self.device, dp, tp, cfg.training.mixed_precision_param)
         seed_everything(cfg.training.seed, cfg.training.deterministic)
         self.mesh = distributed.build_mesh(device_type, dp, tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()
@@ -162,6 +166,7 @@ class Trainer:
             f"precision {precision}; compile {c.compile.mode}; activation checkpoint {c.activation_checkpoint.mode}",
             f"tokens per step {tokens_per_step:,} (batch {c.training.batch_size} x seq {c.training.seq_len} "
             f"x accum {c.training.gradient_accumulation_steps} x dp {self.dp})",
+            f"memory estimate {self.memory.summary()}",
         ]
         if self.float8_report is not None:
             lines.append(f"float8: {self.float8_report}")
