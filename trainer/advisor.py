@@ -9,6 +9,7 @@ import torch
 from float8.linear import scaled_mm_supported
 from trainer.config import Config, Float8TrainingConfig
 from trainer.errors import UserError
+from trainer.parallelize import float8_tp_styles_compile_correctly
 
 # Below this many tokens per GPU per micro-batch the float8 GEMMs are too small to beat bf16.
 MIN_FLOAT8_TOKENS = 8192
@@ -39,6 +40,14 @@ def advise(
         raise UserError(
             f"float8.scaling = '{f8.scaling}' needs row-wise scaled float8 GEMMs, which torch "
             f"{torch.__version__} does not run on CPU (torch >= 2.13 does); set float8.emulate = true to test here"
+        )
+    if tp_degree > 1 and f8.scaling == "tensorwise" and cfg.parallelism.float8_tensor_parallel and not (
+        float8_tp_styles_compile_correctly(cfg)
+    ):
+        notes.append(
+            f"torch {torch.__version__} miscompiles the float8 tensor-parallel styles with float32 parameters: "
+            "activations are all-gathered in float32 instead; use training.mixed_precision_param = 'bfloat16' "
+            "or torch >= 2.13 for float8 all-gathers"
         )
     if f8.emulate:
         notes.append("float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only")
