@@ -139,7 +139,7 @@ def build_blocks(args, n_blocks: int, mode: str, variant: str, device) -> nn.Mod
 
 
 def block_flops(args, n_blocks: int, batch: int, seq: int) -> float:
-    """Training FLOPs per step as DESIGN.md counts them: 6 * params * tokens + 12 * L * dim * seq * tokens."""
+    """Training FLOPs per step as the trainer counts them (README, "Outputs"): 6 * params * tokens + 12 * L * dim * seq * tokens."""
     with torch.device("meta"):
         params = sum(p.numel() for p in TransformerBlock(0, args).parameters()) * n_blocks
     tokens = batch * seq

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tests.helpers import run_train
+from tests.test_checkpoint import one_error_line as error_line
 from trainer.checkpoint import nonfinite_weights
 from trainer.config import build_config
 from trainer.dump import acquire_lock, move_previous_records, release_lock
@@ -30,15 +31,6 @@ SMALL = [
     "--metrics.log_freq", "1",
 ]
 CKPT = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """Exit 2 with exactly one `error:` line and no traceback; returns the line."""
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    return errors[0]
 
 
 def ok(proc: subprocess.CompletedProcess) -> None:

@@ -1,6 +1,6 @@
 """Parallelism and compile, applied from outside the model by module names.
 
-Order (DESIGN.md): float8 conversion (done by the caller, on meta) -> tensor
+Order (README, "Parallelism"): float8 conversion (done by the caller, on meta) -> tensor
 parallel -> activation checkpointing -> torch.compile -> FSDP2. Compile comes
 before FSDP so each compiled block is one graph with FSDP's hooks around it, and
 TP comes first so compile traces the DTensor-sharded block.

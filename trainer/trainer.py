@@ -1,6 +1,6 @@
 """The training loop and the build order that precedes it.
 
-Build order (DESIGN.md): tokenizer + data -> model on meta -> float8 conversion ->
+Build order (README, "Parallelism"): tokenizer + data -> model on meta -> float8 conversion ->
 FLOPs per token -> TP -> AC -> compile -> FSDP2 -> materialise + init/load ->
 optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
 """
