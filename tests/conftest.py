@@ -8,6 +8,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# Inductor's kernel cache is not safe to share between torch versions: kernels compiled by
+# another version gave wrong float8 results and aborted the process. Tests (and the torchrun
+# children they start, which inherit the environment) keep one cache per torch version.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    import torch
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", f"torch-{torch.__version__}"
+    )
+
 
 @pytest.fixture(autouse=True)
 def _single_thread_env(monkeypatch):
