@@ -4,31 +4,44 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCALINGS = ("tensorwise", "rowwise", "rowwise_gw_hp")
+from float8.recipe import RECIPES, Float8Recipe
+from float8.scaling import EAGER_CAST_MODES
 
 
 @dataclass
 class Float8Config:
     """How `convert_to_float8_training` converts linears and how they compute.
 
-    scaling: "tensorwise" (one scale per tensor; e4m3 forward, e5m2 gradients),
-        "rowwise" (one power-of-two scale per row along each GEMM's contraction dim; all e4m3),
-        "rowwise_gw_hp" (rowwise, but the weight gradient GEMM stays in high precision).
+    scaling: a recipe of `float8.recipe.RECIPES`: "tensorwise" (one scale per tensor; e4m3
+        forward, e5m2 gradients), "rowwise" (one power-of-two scale per row along each GEMM's
+        contraction dim; all e4m3), "rowwise_gw_hp" (rowwise, but the weight gradient GEMM
+        stays in high precision). docs/float8.md tabulates every cast.
     emulate: float8 rounding with high-precision GEMMs, for hardware without float8 GEMMs.
     fsdp_float8_all_gather: FSDP2 all-gathers weights as float8 (tensorwise only).
-    filter_fqns: skip modules whose fully qualified name contains any of these strings.
+    filter_fqns: skip modules whose fully qualified name contains any of these strings; the
+        output layer by default (its logits feed the softmax directly: float8 costs accuracy
+        there and saves little).
     min_features: skip linears whose in_features or out_features is below this.
+    compile_casts_in_eager: outside torch.compile, run the casts as compiled (fused)
+        kernels: "cuda" (on CUDA tensors), "always" or "never". Under an outer
+        torch.compile the casts are traced with the model whatever this says.
+    dynamo_recompile_limit: the per-function recompile limit the compiled eager casts need
+        (one variant per float8 dtype, input dtype and layout). Nothing in this package
+        changes torch's global settings: `float8.raise_dynamo_recompile_limit(limit)` applies
+        it process-wide (the trainer does); below it, rarer variants run unfused.
     """
 
     scaling: str = "tensorwise"
     emulate: bool = False
     fsdp_float8_all_gather: bool = False
-    filter_fqns: list[str] = field(default_factory=list)
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     min_features: int = 0
+    compile_casts_in_eager: str = "cuda"
+    dynamo_recompile_limit: int = 64
 
     def __post_init__(self) -> None:
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"Float8Config.scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if self.scaling not in RECIPES:
+            raise ValueError(f"Float8Config.scaling must be one of {tuple(RECIPES)}, got {self.scaling!r}")
         for name in ("emulate", "fsdp_float8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Float8Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -41,16 +54,21 @@ class Float8Config:
                 f"Float8Config.filter_fqns must be a list of strings, got {self.filter_fqns!r}"
             )
         self.filter_fqns = list(self.filter_fqns)
-        if isinstance(self.min_features, bool) or not isinstance(self.min_features, int) or self.min_features < 0:
+        for name in ("min_features", "dynamo_recompile_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Float8Config.{name} must be an int >= 0, got {value!r}")
+        if self.compile_casts_in_eager not in EAGER_CAST_MODES:
             raise ValueError(
-                f"Float8Config.min_features must be an int >= 0, got {self.min_features!r}"
+                f"Float8Config.compile_casts_in_eager must be one of {EAGER_CAST_MODES}, "
+                f"got {self.compile_casts_in_eager!r}"
             )
-        if self.fsdp_float8_all_gather and self.scaling != "tensorwise":
+        if self.fsdp_float8_all_gather and not self.recipe.weight_gatherable_in_float8:
             raise ValueError(
-                "Float8Config.fsdp_float8_all_gather needs scaling='tensorwise' (one scale per weight "
-                f"that all ranks share), got scaling={self.scaling!r}"
+                "Float8Config.fsdp_float8_all_gather needs a recipe that casts the weight to e4m3 with "
+                f"one scale per tensor in both GEMMs that read it (scaling='tensorwise'), got scaling={self.scaling!r}"
             )
 
     @property
-    def rowwise(self) -> bool:
-        return self.scaling != "tensorwise"
+    def recipe(self) -> Float8Recipe:
+        return RECIPES[self.scaling]

@@ -9,16 +9,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from float8 import scaling as _scaling
 from float8.config import Float8Config
 from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight, plain_weight
+from float8.recipe import Cast, Float8Recipe, Gemm
 from float8.scaling import (
     E4M3,
-    E5M2,
     cast_colwise_t,
     cast_rowwise,
     cast_tensorwise,
     cast_tensorwise_t,
+    casts_compiled_in_eager,
 )
 
 
@@ -70,28 +70,80 @@ def scaled_mm_supported(rowwise: bool, device_type: str) -> bool:
     return True
 
 
-def _pad_inner(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-pad the contraction dim (tokens, for the weight gradient) to a multiple of 16.
+# A GEMM operand: (data, scale) with the summed dim last and row-major; the scale is None
+# for a high-precision operand, 0-dim for one per tensor, (rows, 1) for one per row.
+Operand = tuple[torch.Tensor, torch.Tensor | None]
 
-    cuBLAS float8 GEMMs need it; zero rows add nothing to the product.
-    """
-    pad = -a.shape[1] % 16
-    if pad == 0:
+
+def _cast(t: torch.Tensor, cast: Cast, fused: bool) -> Operand:
+    """A 2-D `t` whose last dim the GEMM sums over, cast for it."""
+    if cast.dtype is None:
+        return t, None
+    if cast.amax_over is None:
+        return cast_tensorwise(t, cast.dtype, cast.pow2, fused=fused)
+    return cast_rowwise(t, -1, cast.dtype, cast.pow2, fused=fused)
+
+
+def _cast_t(t: torch.Tensor, cast: Cast, fused: bool) -> Operand:
+    """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout."""
+    if cast.dtype is None:
+        return t.t(), None
+    if cast.amax_over is None:
+        data, scale = cast_tensorwise(t, cast.dtype, cast.pow2, fused=fused)
+        return data.t().contiguous(), scale
+    return cast_colwise_t(t, cast.dtype, cast.pow2, fused=fused)
+
+
+def _transposed(operand: Operand) -> Operand:
+    """One GEMM's operand reused by another that sums over its other dim: a per-tensor scale
+    (or none) serves both, so only the layout changes."""
+    data, scale = operand
+    return (data.t(), None) if scale is None else (data.t().contiguous(), scale)
+
+
+def _pad_summed_dim(a: Operand, b: Operand) -> tuple[Operand, Operand]:
+    """Zero-pad the summed dim to a multiple of 16: cuBLAS float8 GEMMs need it, and zeros add
+    nothing to the product. Only tokens need it (conversion checks the weight's dims), and
+    only the backward pads: under torch 2.11 with dynamic shapes, a shape test in the forward
+    broke dynamo's tracing of this function."""
+    (a_data, a_scale), (b_data, b_scale) = a, b
+    pad = -a_data.shape[1] % 16
+    if pad == 0 or a_scale is None:  # high-precision GEMMs take any size
         return a, b
     # float8 has no pad kernel on every backend; the same zero bytes as uint8 do.
-    a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
-    b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
-    return a, b
+    a_data, b_data = (F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype) for t in (a_data, b_data))
+    return (a_data, a_scale), (b_data, b_scale)
+
+
+def _shared(cast: Cast, other: Cast) -> bool:
+    """Whether a tensor is cast the same, per tensor, for both of its GEMMs: one cast (one
+    scale) then serves both layouts."""
+    return cast == other and cast.dtype is not None and cast.amax_over is None
+
+
+def _gemm(gemm: Gemm, a: Operand, b: Operand, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
+    """a @ b.T as `gemm` says, both operands with the summed dim last."""
+    (a_data, a_scale), (b_data, b_scale) = a, b
+    if a_scale is None or b_scale is None:
+        return torch.mm(a_data, b_data.t().to(a_data.dtype)).to(out_dtype)
+    if gemm.rowwise:
+        # Row-wise kernels take per-row scales on both operands: repeat a per-tensor one.
+        a_scale = a_scale.expand(a_data.shape[0], 1) if a_scale.ndim == 0 else a_scale
+        b_scale = b_scale.expand(b_data.shape[0], 1) if b_scale.ndim == 0 else b_scale
+    return _scaled_mm(a_data, b_data.t(), a_scale, b_scale.t(), out_dtype, gemm.rowwise, emulate, gemm.fast_accum)
 
 
 class _Float8Matmul(torch.autograd.Function):
     """out = x @ w.T with x (M, K), w (N, K); backward grad_x = g @ w, grad_w = g.T @ x.
 
-    Every GEMM gets its first operand row-major and its second column-major, as
-    cuBLAS float8 GEMMs require. Saved for backward: float8 copies of x (1 byte per
-    element instead of 2) where the scaling allows, and w itself, which is a
-    parameter (kept anyway, and freed/re-gathered by FSDP) rather than a float8
-    copy that would hold 1 byte per parameter of every layer until backward.
+    Interprets a `Float8Recipe` (float8/recipe.py): each GEMM casts its operands as the
+    recipe says. Every float8 GEMM gets its first operand row-major and its second
+    column-major, as cuBLAS float8 GEMMs require. A tensor cast once per tensor the same
+    way for both of its GEMMs is cast once. Saved for backward: x as its weight-gradient
+    GEMM wants it, so a float8 copy (1 byte per element instead of 2) unless that GEMM is
+    in high precision; and w itself, which is a parameter (kept anyway, and freed/re-gathered
+    by FSDP) rather than a float8 copy that would hold 1 byte per parameter of every layer
+    until backward.
 
     Under activation checkpointing the casts are recomputed with the rest of the block
     (selective AC keeps the GEMM outputs and amaxes); compiled under torch 2.11, only a
@@ -100,38 +152,34 @@ class _Float8Matmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, scaling: str, emulate: bool) -> torch.Tensor:
-        ctx.scaling, ctx.emulate = scaling, emulate
-        ctx.fused = fused = _scaling.compile_casts_in_eager(x) and not torch.compiler.is_compiling()
+    def forward(
+        ctx, x: torch.Tensor, w: torch.Tensor, recipe: Float8Recipe, emulate: bool, eager_casts: str
+    ) -> torch.Tensor:
+        ctx.recipe, ctx.emulate = recipe, emulate
+        ctx.fused = fused = casts_compiled_in_eager(x.device.type, eager_casts) and not torch.compiler.is_compiling()
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         ctx.x_shape = x_shape = x.shape
         x = x.reshape(-1, x_shape[-1])
         # Casts keep their input's strides; the GEMM needs x row-major with no row gaps.
         x = x.contiguous()
-        if scaling == "tensorwise":
-            x_f8, x_s = cast_tensorwise(x, E4M3, fused=fused)
-            if isinstance(w, Float8GatheredWeight):
-                # FSDP already all-gathered the weight in float8 with its scale.
-                w_f8, w_s = w._data, w._scale
-                ctx.gathered = True
-                ctx.save_for_backward(x_f8, x_s, w_f8, w_s)
-            else:
-                w_f8, w_s = cast_tensorwise(w, E4M3, fused=fused)
-                ctx.gathered = False
-                ctx.save_for_backward(x_f8, x_s, w, w_s)
-            out = _scaled_mm(x_f8, w_f8.t(), x_s, w_s, x.dtype, False, emulate, fast_accum=True)
-            return out.reshape(*x_shape[:-1], out.shape[-1])
+        x_op = _cast(x, recipe.output.lhs, fused)
+        ctx.gathered = isinstance(w, Float8GatheredWeight)
+        # FSDP may have all-gathered the weight in float8 already, with its scale.
+        w_op = (w._data, w._scale) if ctx.gathered else _cast(w, recipe.output.rhs, fused)
+        out = _gemm(recipe.output, x_op, w_op, x.dtype, emulate)
 
-        x_f8, x_s = cast_rowwise(x, -1, E4M3, fused=fused)
-        w_f8, w_s = cast_rowwise(w, -1, E4M3, fused=fused)
-        out = _scaled_mm(x_f8, w_f8.t(), x_s, w_s.t(), x.dtype, True, emulate, fast_accum=True)
-        if scaling == "rowwise":
-            # Keep x already cast for the weight gradient (scales along tokens), 1 byte
-            # per element, instead of the 2-byte x and a second cast in backward.
-            xt_f8, xt_s = cast_colwise_t(x, E4M3, fused=fused)
-            ctx.save_for_backward(xt_f8, xt_s, w)
+        x_cast = recipe.grad_weight.rhs
+        # x for the weight gradient: itself or its forward cast, transposed in backward, or
+        # else cast for that GEMM now, keeping 1 byte per element instead of x's 2.
+        ctx.x_transposed_later = x_cast.dtype is None or _shared(x_cast, recipe.output.lhs)
+        if x_cast.dtype is None:
+            x_gw = (x, None)
+        elif ctx.x_transposed_later:
+            x_gw = x_op
         else:
-            ctx.save_for_backward(x, w)
+            x_gw = _cast_t(x, x_cast, fused)
+        ctx.w_shared = _shared(recipe.grad_input.rhs, recipe.output.rhs)
+        ctx.save_for_backward(*x_gw, w_op[0] if ctx.gathered else w, w_op[1] if ctx.w_shared else None)
         return out.reshape(*x_shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -139,32 +187,27 @@ class _Float8Matmul(torch.autograd.Function):
         # Both gradients always, never ctx.needs_input_grad: torch 2.11's dynamo traces it
         # as all False inside compiled regions (zero gradients), and autograd drops a
         # gradient nobody asked for anyway.
-        scaling, emulate = ctx.scaling, ctx.emulate
+        recipe, fused, emulate = ctx.recipe, ctx.fused, ctx.emulate
+        x_gw_data, x_gw_scale, w, w_scale = ctx.saved_tensors
         g = g.reshape(-1, g.shape[-1]).contiguous()
-        if scaling == "tensorwise":
-            x_f8, x_s, w_saved, w_s = ctx.saved_tensors
-            g_f8, g_s = cast_tensorwise(g, E5M2, fused=ctx.fused)
-            if ctx.gathered:
-                w_t = w_saved.t().contiguous()
-            else:
-                w_t = cast_tensorwise_t(w_saved, w_s, E4M3, fused=ctx.fused)
-            grad_x = _scaled_mm(g_f8, w_t.t(), g_s, w_s, ctx.x_dtype, False, emulate)
-            a, b = _pad_inner(g_f8.t().contiguous(), x_f8.t().contiguous().t())
-            grad_w = _scaled_mm(a, b, g_s, x_s, ctx.w_dtype, False, emulate)
-            return grad_x.reshape(ctx.x_shape), grad_w, None, None
-
-        g_f8, g_s = cast_rowwise(g, -1, E4M3, fused=ctx.fused)
-        wt_f8, wt_s = cast_colwise_t(ctx.saved_tensors[-1], E4M3, fused=ctx.fused)
-        grad_x = _scaled_mm(g_f8, wt_f8.t(), g_s, wt_s.t(), ctx.x_dtype, True, emulate)
-        if scaling == "rowwise":
-            xt_f8, xt_s, _ = ctx.saved_tensors
-            gt_f8, gt_s = cast_colwise_t(g, E4M3, fused=ctx.fused)
-            a, b = _pad_inner(gt_f8, xt_f8.t())
-            grad_w = _scaled_mm(a, b, gt_s, xt_s.t(), ctx.w_dtype, True, emulate)
+        g_op = _cast(g, recipe.grad_input.lhs, fused)
+        w_cast = recipe.grad_input.rhs
+        if ctx.gathered:
+            w_op = _transposed((w, w_scale))
+        elif ctx.w_shared:
+            # The forward's scale, cast straight into the transposed layout.
+            w_op = cast_tensorwise_t(w, w_scale, w_cast.dtype, fused=fused), w_scale
         else:
-            x, _ = ctx.saved_tensors
-            grad_w = torch.mm(g.t(), x.to(g.dtype)).to(ctx.w_dtype)
-        return grad_x.reshape(ctx.x_shape), grad_w, None, None
+            w_op = _cast_t(w, w_cast, fused)
+        grad_x = _gemm(recipe.grad_input, g_op, w_op, ctx.x_dtype, emulate)
+
+        g_cast = recipe.grad_weight.lhs
+        g_gw = _transposed(g_op) if _shared(g_cast, recipe.grad_input.lhs) else _cast_t(g, g_cast, fused)
+        x_gw = (x_gw_data, x_gw_scale)
+        if ctx.x_transposed_later:
+            x_gw = _transposed(x_gw)
+        grad_w = _gemm(recipe.grad_weight, *_pad_summed_dim(g_gw, x_gw), ctx.w_dtype, emulate)
+        return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
 
 
 def float8_mm(x: torch.Tensor, w: torch.Tensor, config: Float8Config) -> torch.Tensor:
@@ -178,7 +221,7 @@ def float8_mm(x: torch.Tensor, w: torch.Tensor, config: Float8Config) -> torch.T
         x = x.to(torch.get_autocast_dtype(device_type))
     # No autocast context and no reshapes around apply(): under torch 2.11's dynamo
     # either made the compiled backward return zero gradients.
-    return _Float8Matmul.apply(x, w, config.scaling, config.emulate)
+    return _Float8Matmul.apply(x, w, config.recipe, config.emulate, config.compile_casts_in_eager)
 
 
 def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:

@@ -22,13 +22,19 @@ EPS = 1e-12
 F = TypeVar("F", bound=Callable)
 
 
-def compile_casts_in_eager(x: torch.Tensor) -> bool:
-    """Whether casts of `x` outside torch.compile run as compiled kernels (CUDA: Triton)."""
-    return x.is_cuda
+EAGER_CAST_MODES = ("cuda", "always", "never")
+
+
+def casts_compiled_in_eager(device_type: str, mode: str) -> bool:
+    """Whether casts on `device_type` outside torch.compile run as compiled kernels (CUDA: Triton).
+
+    mode: "cuda" (on CUDA tensors only), "always" or "never" (Float8Config.compile_casts_in_eager).
+    """
+    return mode == "always" or (mode == "cuda" and device_type == "cuda")
 
 
 def _fused_in_eager(fn: F) -> F:
-    """Run `fn` as one compiled kernel set on CUDA outside torch.compile.
+    """Run `fn` as one compiled kernel set outside torch.compile, when `fused`.
 
     Eager PyTorch would run abs, max, multiply, clamp and convert as separate
     full-tensor passes (plus fp32 temporaries); that is most of why eager float8
@@ -36,6 +42,11 @@ def _fused_in_eager(fn: F) -> F:
     traced and fused with its neighbours instead. Callers in a backward pass pass
     `fused` decided in the forward: torch 2.11 does not report the compiled backward
     as compiling, and calling the compiled casts there yields zero gradients.
+    `fused=None` decides as Float8Config's default ("cuda") does.
+
+    Each cast compiles once per (float8 dtype, input dtype, layout, scale rounding): more
+    variants than dynamo's default recompile limit (8 per function) may allow, see
+    `raise_dynamo_recompile_limit`. This wrapper changes no global setting itself.
     """
     compiled: Callable | None = None
 
@@ -43,10 +54,9 @@ def _fused_in_eager(fn: F) -> F:
     def wrapper(x: torch.Tensor, *args, fused: bool | None = None):
         nonlocal compiled
         if fused is None:
-            fused = compile_casts_in_eager(x) and not torch.compiler.is_compiling()
+            fused = casts_compiled_in_eager(x.device.type, "cuda") and not torch.compiler.is_compiling()
         if fused:
             if compiled is None:
-                _allow_cast_variants()
                 # dynamic: one kernel set serves every layer shape and token count.
                 compiled = torch.compile(fn, fullgraph=True, dynamic=True)
             # Parameters and plain tensors are distinct guard types; the cast needs no autograd.
@@ -56,12 +66,18 @@ def _fused_in_eager(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _allow_cast_variants() -> None:
-    """Each cast compiles once per (float8 dtype, input dtype, layout): a handful of variants
-    that dynamo's default recompile limit (8 per function) can fall short of."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), 64))
+def raise_dynamo_recompile_limit(limit: int) -> tuple[int, int] | None:
+    """Raise torch._dynamo's process-wide per-function recompile limit to at least `limit`.
+
+    The self-compiled eager casts need a handful of variants each (see `_fused_in_eager`);
+    past the limit dynamo runs the further variants unfused. Returns (old, new) when it
+    changed the limit, None when it was already high enough.
+    """
+    old = torch._dynamo.config.recompile_limit
+    if old >= limit:
+        return None
+    torch._dynamo.config.recompile_limit = limit
+    return old, limit
 
 
 def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
@@ -83,11 +99,13 @@ def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dt
 
 
 @_fused_in_eager
-def cast_tensorwise(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_tensorwise(
+    x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One dynamic scale for the whole tensor: (float8 data, 0-dim fp32 scale)."""
     # abs().max() rather than amax(): selective activation checkpointing policies
     # (trainer/parallelize.py) key on aten.max to keep these reductions saved.
-    scale = amax_to_scale(x.abs().max(), float8_dtype)
+    scale = amax_to_scale(x.abs().max(), float8_dtype, pow2)
     return cast_with_scale(x, scale, float8_dtype), scale
 
 
@@ -99,20 +117,23 @@ def cast_tensorwise_t(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.
 
 @_fused_in_eager
 def cast_rowwise(
-    x: torch.Tensor, dim: int, float8_dtype: torch.dtype
+    x: torch.Tensor, dim: int, float8_dtype: torch.dtype, pow2: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One power-of-two scale per slice along `dim` (amax over `dim`, scale keeps the dim as 1)."""
-    scale = amax_to_scale(torch.amax(x.abs(), dim=dim, keepdim=True), float8_dtype, pow2=True)
+    """One scale per slice along `dim` (amax over `dim`, scale keeps the dim as 1)."""
+    scale = amax_to_scale(torch.amax(x.abs(), dim=dim, keepdim=True), float8_dtype, pow2)
     return cast_with_scale(x, scale, float8_dtype), scale
 
 
 @_fused_in_eager
-def cast_colwise_t(x: torch.Tensor, float8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise cast of a 2-D tensor along dim 0, returned transposed and row-major.
+def cast_colwise_t(
+    x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise cast of a 2-D (M, K) tensor along dim 0, returned transposed and row-major.
 
-    (K, 1)-shaped scales and (K, M) data: the layout the weight-gradient GEMM reads.
+    (K, 1)-shaped scales and (K, M) data: the layout a GEMM summing over M reads.
     """
-    data, scale = cast_rowwise(x, 0, float8_dtype)
+    # Already fused, or deliberately not: the inner cast must not decide again.
+    data, scale = cast_rowwise(x, 0, float8_dtype, pow2, fused=False)
     return data.t().contiguous(), scale.t()
 
 

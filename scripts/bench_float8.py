@@ -1,12 +1,15 @@
-"""Benchmark float8 training linears against bf16 on one GPU.
+"""Benchmark float8 training linears against bf16 on one GPU, ours and the reference library's.
 
 Times forward + backward of
   (a) each LLaMA-2-7B linear shape at M = 8192 tokens, and
   (b) a stack of 4 LLaMA-2-7B transformer blocks (batch 2 x seq 4096),
 for bf16 and every float8 scaling, eager and compiled (each block compiled
-with fullgraph=True, as the trainer does). Prints a table last and writes JSON.
+with fullgraph=True, as the trainer does), with this repository's float8 package
+(--impl ours), torchao's (--impl torchao) or both side by side. Prints a table last and
+writes JSON.
 
     python scripts/bench_float8.py --out bench_float8.json          # ~5 min on an H200
+    python scripts/bench_float8.py --only blocks --impl both        # ours vs torchao, same run
     python scripts/bench_float8.py --quick --only blocks --profile
     python scripts/bench_float8.py --smoke                           # CPU, tiny shapes: does it run?
 """
@@ -20,6 +23,7 @@ import functools
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +32,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from float8 import Float8Config, convert_to_float8_training
+import profile_summary
+from float8_impls import IMPLS, ReferenceMissing, convert, torchao_version
+
 from models.llama import LLAMA2_FLAVORS, TransformerBlock
 from models.llama.model import precompute_rope
 
@@ -76,12 +83,6 @@ class Timer:
             torch.cuda.synchronize()
 
 
-def convert(module: nn.Module, mode: str) -> nn.Module:
-    if mode != "bf16":
-        convert_to_float8_training(module, config=Float8Config(scaling=mode))
-    return module
-
-
 def reset_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -93,10 +94,12 @@ def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
-def bench_linear(in_f: int, out_f: int, tokens: int, mode: str, variant: str, device, timer, warmup, iters) -> dict:
+def bench_linear(in_f: int, out_f: int, tokens: int, mode: str, impl: str, variant: str, device, timer,
+                 warmup, iters) -> dict:
     torch.manual_seed(0)
     holder = nn.Sequential(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16))
-    convert(holder, mode)
+    if mode != "bf16":
+        convert(holder, mode, impl)
     forward = holder
     if variant == "compiled":
         # A function of ours (dynamo skips torch's own nn.Linear frames); static shapes so
@@ -116,17 +119,18 @@ def bench_linear(in_f: int, out_f: int, tokens: int, mode: str, variant: str, de
     times = timer.time(step, before, warmup, iters)
     ms = statistics.median(times)
     return {
-        "section": "linears", "name": f"{in_f}->{out_f} M={tokens}", "mode": mode, "variant": variant,
+        "section": "linears", "name": f"{in_f}->{out_f} M={tokens}", "mode": mode, "impl": impl, "variant": variant,
         "ms": ms, "tflops": 6 * tokens * in_f * out_f / (ms * 1e-3) / 1e12, "tokens_per_s": tokens / (ms * 1e-3),
         "peak_gib": peak_gib(device),
     }
 
 
-def build_blocks(args, n_blocks: int, mode: str, variant: str, device) -> nn.ModuleList:
+def build_blocks(args, n_blocks: int, mode: str, impl: str, variant: str, device) -> nn.ModuleList:
     torch.manual_seed(0)
     with torch.device("meta"):
         blocks = nn.ModuleList(TransformerBlock(i, args) for i in range(n_blocks))
-    convert(blocks, mode)
+    if mode != "bf16":
+        convert(blocks, mode, impl)
     blocks.to_empty(device=device)
     blocks.to(torch.bfloat16)
     with torch.no_grad():
@@ -146,8 +150,8 @@ def block_flops(args, n_blocks: int, batch: int, seq: int) -> float:
     return 6 * params * tokens + 12 * n_blocks * args.dim * seq * tokens
 
 
-def bench_blocks(args, n_blocks, batch, seq, mode, variant, device, timer, warmup, iters, profile) -> dict:
-    blocks = build_blocks(args, n_blocks, mode, variant, device)
+def bench_blocks(args, n_blocks, batch, seq, mode, impl, variant, device, timer, warmup, iters, profile) -> dict:
+    blocks = build_blocks(args, n_blocks, mode, impl, variant, device)
     rope = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)[:seq].to(device)
     x = torch.randn(batch, seq, args.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
@@ -167,7 +171,7 @@ def bench_blocks(args, n_blocks, batch, seq, mode, variant, device, timer, warmu
     ms = statistics.median(times)
     row = {
         "section": "blocks", "name": f"{n_blocks} blocks dim={args.dim} b={batch} s={seq}",
-        "mode": mode, "variant": variant, "ms": ms,
+        "mode": mode, "impl": impl, "variant": variant, "ms": ms,
         "tflops": block_flops(args, n_blocks, batch, seq) / (ms * 1e-3) / 1e12,
         "tokens_per_s": batch * seq / (ms * 1e-3), "peak_gib": peak_gib(device),
     }
@@ -177,35 +181,21 @@ def bench_blocks(args, n_blocks, batch, seq, mode, variant, device, timer, warmu
     return row
 
 
-def classify(kernel: str) -> str:
-    k = kernel.lower()
-    if any(s in k for s in ("flash", "attention", "fmha", "sdpa", "attn")):
-        return "attention"
-    if any(s in k for s in ("gemm", "cutlass", "cublas", "nvjet", "xmma", "scaled_mm", "matmul", "_mm", "::mm", "addmm")):
-        return "gemm"
-    if any(s in k for s in ("abs", "amax", "clamp", "float8", "fp8", "reciprocal")):
-        return "casts/amax"
-    return "norms/elementwise"
-
-
 def profile_step(step: Callable[[], None], device) -> dict[str, float]:
-    """Device time (ms) of one step, by kernel category."""
+    """Device time (ms) of one step by kernel class, as scripts/profile_summary.py reads a trace
+    (on a CPU, the self time of CPU ops)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for evt in prof.key_averages():
-        if device.type == "cuda" and evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cpu_time_total", 0)
-        if us:
-            cat = classify(evt.key)
-            totals[cat] = totals.get(cat, 0.0) + us / 1e3
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        summary = profile_summary.summarize(profile_summary.load_trace(trace), top=0)
+    return {profile_summary.CLASSES[k]: c["ms"] for k, c in summary["classes"].items() if c["count"]}
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -220,20 +210,32 @@ def target_checks(rows: list[dict]) -> list[str]:
     for r in rows:
         target = TARGETS.get((r["section"], r["variant"], r["mode"]))
         if target and r["speedup"]:
-            checks.append(f"{r['section']} {r['variant']} {r['mode']}: {r['speedup']:.2f}x bf16 (target >= {target:.2f}x)")
+            checks.append(f"{r['section']} {r['variant']} {r['mode']} ({r['impl']}): {r['speedup']:.2f}x bf16 "
+                          f"(target >= {target:.2f}x)")
     bf16_peak = {r["variant"]: r["peak_gib"] for r in rows if r["section"] == "blocks" and r["mode"] == "bf16"}
     for r in rows:
         ref = bf16_peak.get(r["variant"])
         if r["section"] == "blocks" and r["mode"] != "bf16" and r["peak_gib"] and ref:
-            checks.append(
-                f"blocks {r['variant']} {r['mode']} peak memory: {r['peak_gib'] / ref:.2f}x bf16 (target <= 0.85x)"
-            )
+            checks.append(f"blocks {r['variant']} {r['mode']} ({r['impl']}) peak memory: "
+                          f"{r['peak_gib'] / ref:.2f}x bf16 (target <= 0.85x)")
     return checks
+
+
+def side_by_side(rows: list[dict]) -> list[str]:
+    """Ours against torchao for every cell both ran: the time ratio, > 1 when ours is faster."""
+    torchao = {(r["section"], r["name"], r["variant"], r["mode"]): r for r in rows if r["impl"] == "torchao"}
+    lines = []
+    for r in rows:
+        ref = torchao.get((r["section"], r["name"], r["variant"], r["mode"]))
+        if r["impl"] == "ours" and ref:
+            lines.append(f"{r['section']} {r['name']} {r['variant']} {r['mode']}: ours {r['ms']:.2f} ms, "
+                         f"torchao {ref['ms']:.2f} ms: ours {ref['ms'] / r['ms']:.2f}x torchao's speed")
+    return lines
 
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'section':8} {'shape':32} {'mode':14} {'variant':9} {'ms':>9} {'TFLOP/s':>8} "
+        f"{'section':8} {'shape':32} {'mode':14} {'impl':8} {'variant':9} {'ms':>9} {'TFLOP/s':>8} "
         f"{'tokens/s':>11} {'vs bf16':>8} {'peak GiB':>9}"
     )
     print(header)
@@ -242,29 +244,48 @@ def print_table(rows: list[dict]) -> None:
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         print(
-            f"{r['section']:8} {r['name']:32} {r['mode']:14} {r['variant']:9} {r['ms']:9.2f} "
+            f"{r['section']:8} {r['name']:32} {r['mode']:14} {r['impl']:8} {r['variant']:9} {r['ms']:9.2f} "
             f"{r['tflops']:8.1f} {r['tokens_per_s']:11.0f} {speedup:>8} {peak:>9}"
         )
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One line naming the problem, not argparse's usage block.
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _choices(parser: _Parser, text: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    for n in names or [""]:
+        if n not in allowed:
+            parser.error(f"{option}: unknown name {n!r} (choose from {', '.join(allowed)})")
+    return names
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("linears", "blocks"), help="run one section")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="eager,compiled or one of them")
+    parser.add_argument("--impl", choices=(*IMPLS, "both"), default="ours",
+                        help="float8 implementation: this repository's, torchao's (pip install -e '.[reference]') "
+                             "or both in one run (default ours)")
     parser.add_argument("--quick", action="store_true", help="fewer timed iterations")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script runs)")
-    parser.add_argument("--profile", action="store_true", help="per-category kernel times of one compiled-block step")
+    parser.add_argument("--profile", action="store_true", help="per-class kernel times of one compiled-block step")
     parser.add_argument("--out", default="bench_float8.json", help="JSON results file")
     opts = parser.parse_args()
-    modes = opts.modes.split(",")
-    variants = opts.variants.split(",")
-    for m in modes:
-        if m not in MODES:
-            parser.error(f"--modes: unknown mode {m!r}; choose from {MODES}")
-    for v in variants:
-        if v not in VARIANTS:
-            parser.error(f"--variants: unknown variant {v!r}; choose from {VARIANTS}")
+    modes = _choices(parser, opts.modes, MODES, "--modes")
+    variants = _choices(parser, opts.variants, VARIANTS, "--variants")
+    impls = list(IMPLS) if opts.impl == "both" else [opts.impl]
+    versions = {"torch": torch.__version__}
+    if "torchao" in impls:
+        try:
+            versions["torchao"] = torchao_version()
+        except ReferenceMissing as e:
+            parser.error(str(e))
 
     if opts.smoke:
         device = torch.device("cpu")
@@ -283,45 +304,46 @@ def main() -> None:
     rows: list[dict] = []
     failures: list[str] = []
     sections = [opts.only] if opts.only else ["linears", "blocks"]
-    for variant in variants:
-        for mode in modes:
-            torch._dynamo.reset()
-            cells: list[tuple[str, Callable[[], dict]]] = []
-            if "linears" in sections:
-                cells += [
-                    (f"{i}->{o} M={tokens}", functools.partial(
-                        bench_linear, i, o, tokens, mode, variant, device, timer, warmup + 2, iters * 2))
-                    for i, o in shapes
-                ]
-            if "blocks" in sections:
-                cells.append((f"{n_blocks} blocks", functools.partial(
-                    bench_blocks, args, n_blocks, batch, seq, mode, variant, device, timer, warmup, iters,
-                    opts.profile)))
-            for name, cell in cells:
-                try:
-                    rows.append(cell())
-                except Exception as e:  # one failing cell must not lose the others' numbers
-                    failures.append(f"{name} {mode} {variant}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                    print(f"  FAILED {failures[-1]}", flush=True)
-                    continue
-                print(f"  {rows[-1]['name']:24} {mode:14} {variant:9} {rows[-1]['ms']:8.2f} ms", flush=True)
+    runs = [(v, m, impl) for v in variants for m in modes for impl in (["-"] if m == "bf16" else impls)]
+    for variant, mode, impl in runs:
+        torch._dynamo.reset()
+        cells: list[tuple[str, Callable[[], dict]]] = []
+        if "linears" in sections:
+            cells += [
+                (f"{i}->{o} M={tokens}", functools.partial(
+                    bench_linear, i, o, tokens, mode, impl, variant, device, timer, warmup + 2, iters * 2))
+                for i, o in shapes
+            ]
+        if "blocks" in sections:
+            cells.append((f"{n_blocks} blocks", functools.partial(
+                bench_blocks, args, n_blocks, batch, seq, mode, impl, variant, device, timer, warmup, iters,
+                opts.profile)))
+        for name, cell in cells:
+            try:
+                rows.append(cell())
+            except Exception as e:  # one failing cell must not lose the others' numbers
+                failures.append(f"{name} {mode} {impl} {variant}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                print(f"  FAILED {failures[-1]}", flush=True)
+                continue
+            print(f"  {rows[-1]['name']:24} {mode:14} {impl:8} {variant:9} {rows[-1]['ms']:8.2f} ms", flush=True)
 
     add_speedups(rows)
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "torch": torch.__version__,
+        **versions,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "command": " ".join(sys.argv),
+        "impls": impls,
         "results": rows,
         "failures": failures,
     }
     Path(opts.out).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {opts.out} ({result['device']}, torch {result['torch']})")
+    print(f"\nwrote {opts.out} ({result['device']}, " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ")")
     for r in rows:
         if "profile" in r:
             cats = "  ".join(f"{k} {v:.2f}" for k, v in r["profile"].items())
-            print(f"profile, one compiled blocks step, {r['mode']:14} (ms): {cats}")
-    for line in target_checks(rows):
+            print(f"profile, one compiled blocks step, {r['mode']:14} {r['impl']:8} (ms): {cats}")
+    for line in [*target_checks(rows), *side_by_side(rows)]:
         print(line)
     for line in failures:
         print(f"FAILED {line}")

@@ -34,10 +34,10 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
-from models.llama.weights import StateDict, WeightsError, check_state_dict
-from models.llama.weights_io import FORMATS, load_tensor_file, read_weights, write_weights
+from models.llama.weight_conversion import StateDict, WeightsError, check_state_dict
+from models.llama.weight_files import FORMATS, load_tensor_file, read_weights, write_weights
+from trainer.dcp_reader import dcp_model_prefix, dcp_model_shapes, load_dcp_model, read_dcp_metadata
 from trainer.errors import UserError
-from trainer.weights import dcp_model_prefix, dcp_model_shapes, load_dcp_model, read_dcp_metadata
 
 ALL_FORMATS = (*FORMATS, "dcp")
 SOURCES = (*ALL_FORMATS, "random")

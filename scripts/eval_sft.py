@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.generate import add_model_flags, generate, model_from_opts, parse  # noqa: E402
+from scripts.generate import add_model_flags, generate_with, model_from_opts, parse  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.sft_data import load_sft_rows, reference_answer, render_prompt  # noqa: E402
 from trainer.trainer import sft_options  # noqa: E402
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     answers: list[str] = []
     for i in range(0, len(prompts), opts.batch_size):
         batch = prompts[i : i + opts.batch_size]
-        answers += [tokenizer.decode(o).strip() for o in generate(model, batch, max_new, tokenizer.eos_id)]
+        answers += [tokenizer.decode(o).strip() for o in generate_with(opts, model, batch, max_new, tokenizer.eos_id)]
     correct = [a == r for a, r in zip(answers, references)]
     for k in range(min(opts.show, len(rows))):
         mark = "ok " if correct[k] else "BAD"

@@ -17,11 +17,15 @@ Any ``--section.key value`` overrides the config as in train.py.
 
 One process, no float8: DCP checkpoints (also of sharded or float8 runs, whose linears
 keep ordinary weights) load into a plain model; it runs in fp32 on CPU, bf16 on GPU.
+Decoding uses a static KV cache (models/llama/generation.py): the prompts are prefilled in
+one forward, then each step runs one token per row; ``--compile`` compiles that step, and
+``--no_kv_cache`` runs the whole sequence for every token instead (the slow reference).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,15 +36,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from models.llama import Transformer  # noqa: E402
-from models.llama.weights import WeightsError  # noqa: E402
-from models.llama.weights_io import read_weights  # noqa: E402
-from trainer.checkpoint import step_folders  # noqa: E402
+from models.llama.generation import generate, generate_without_cache  # noqa: E402
+from models.llama.weight_conversion import WeightsError  # noqa: E402
+from models.llama.weight_files import read_weights  # noqa: E402
+from trainer.checkpoint_folder import step_folders  # noqa: E402
 from trainer.config import Config, build_config  # noqa: E402
+from trainer.dcp_reader import load_dcp_model  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.model_setup import model_args_for  # noqa: E402
 from trainer.sft_data import turn_strings  # noqa: E402
 from trainer.tokenizer import Tokenizer  # noqa: E402
-from trainer.weights import load_dcp_model  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -83,6 +88,9 @@ def load_model(
 ) -> tuple[Transformer, Tokenizer, str]:
     """A plain (unsharded, no float8) model in eval mode, its tokenizer, and where its weights came from."""
     tokenizer = Tokenizer(cfg.model.tokenizer_path)
+    # Generation needs no training kernel: the cache attends through SDPA, and the
+    # recompute path's padding mask is small. flex_attention would only add a compilation.
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="sdpa"))
     args = model_args_for(cfg, tokenizer.n_words)
     if weights is not None:
         path = Path(weights)
@@ -127,21 +135,8 @@ def chat_prompt(tokenizer: Tokenizer, user: str, system: str | None = None) -> l
     return tokenizer.encode(prompt, bos=True, eos=False)
 
 
-def _next_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-    sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= top_p] = 0.0
-    choice = torch.multinomial(sorted_probs.cpu(), 1, generator=generator).to(logits.device)
-    return order.gather(-1, choice).squeeze(-1)
-
-
-@torch.no_grad()
-def generate(
+def generate_with(
+    opts: argparse.Namespace,
     model: Transformer,
     prompts: list[list[int]],
     max_new_tokens: int,
@@ -150,41 +145,12 @@ def generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """New tokens for each prompt (EOS excluded), batched; temperature 0 is greedy.
-
-    Prompts of different lengths are left-padded; positions restart at each prompt's first
-    token and padding is a separate document, so every row computes exactly what it would
-    alone. No KV cache: each step runs the whole sequence, fine for short answers.
-    """
-    device = model.tok_embeddings.weight.device
-    limit = model.model_args.max_seq_len
-    seqs = [list(p) for p in prompts]
-    out: list[list[int]] = [[] for _ in prompts]
-    active = [i for i, p in enumerate(prompts) if p]
-    for _ in range(max_new_tokens):
-        active = [i for i in active if len(seqs[i]) < limit]
-        if not active:
-            break
-        width = max(len(seqs[i]) for i in active)
-        tokens = torch.zeros(len(active), width, dtype=torch.long)
-        positions = torch.zeros_like(tokens)
-        documents = torch.zeros_like(tokens)
-        for row, i in enumerate(active):
-            n = len(seqs[i])
-            tokens[row, width - n:] = torch.tensor(seqs[i])
-            positions[row, width - n:] = torch.arange(n)
-            documents[row, width - n:] = 1
-        logits = model(tokens.to(device), position_ids=positions.to(device), document_ids=documents.to(device))
-        chosen = _next_tokens(logits[:, -1], temperature, top_p, generator).tolist()
-        still = []
-        for i, token in zip(active, chosen):
-            if token == eos_id:
-                continue
-            seqs[i].append(token)
-            out[i].append(token)
-            still.append(i)
-        active = still
-    return out
+    """``generate`` with the KV cache as the flags ask: off (--no_kv_cache), eager, or --compile."""
+    if opts.no_kv_cache:
+        return generate_without_cache(model, prompts, max_new_tokens, eos_id, temperature, top_p, generator)
+    return generate(
+        model, prompts, max_new_tokens, eos_id, temperature, top_p, generator, compile_decode=opts.compile
+    )
 
 
 def pick_device(name: str) -> torch.device:
@@ -201,6 +167,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--max_new_tokens", type=int, help="tokens to generate at most")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the one-token decode step")
+    parser.add_argument(
+        "--no_kv_cache", action="store_true", help="run the whole sequence for every token (the slow reference)"
+    )
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
@@ -209,6 +179,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
     cfg = build_config(rest)
     if opts.max_new_tokens is not None and opts.max_new_tokens <= 0:
         raise UserError(f"--max_new_tokens must be positive, got {opts.max_new_tokens}")
+    if opts.compile and opts.no_kv_cache:
+        raise UserError("--compile compiles the KV-cache decode step, so it does not go with --no_kv_cache")
     return opts, cfg
 
 
@@ -242,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [chat_prompt(tokenizer, p, opts.system) for p in opts.prompt]
         prompts = [p for p in prompts for _ in range(opts.num_samples)]
         generator = torch.Generator().manual_seed(opts.seed)
-        outputs = generate(
-            model, prompts, opts.max_new_tokens or 128, tokenizer.eos_id, opts.temperature, opts.top_p, generator
+        outputs = generate_with(
+            opts, model, prompts, opts.max_new_tokens or 128, tokenizer.eos_id, opts.temperature, opts.top_p,
+            generator,
         )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

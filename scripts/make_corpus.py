@@ -7,6 +7,7 @@ varied enough (a few hundred words) to be a useful tokenizer corpus.
 
     python scripts/make_corpus.py                 # writes data/corpus/*.jsonl
     python scripts/make_corpus.py --out /tmp/c --docs 100
+    python scripts/make_corpus.py --out data/heldout --docs 200 --shards 1 --seed 1 --name valid
 """
 
 import argparse
@@ -238,13 +239,14 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=3000, help="number of documents")
     p.add_argument("--shards", type=int, default=2, help="number of JSONL files")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="train", help="file name prefix: <name>-00000.jsonl, ...")
     args = p.parse_args()
 
     docs = make_docs(args.docs, args.seed)
     os.makedirs(args.out, exist_ok=True)
     per = -(-len(docs) // args.shards)
     for i in range(args.shards):
-        path = os.path.join(args.out, f"train-{i:05d}.jsonl")
+        path = os.path.join(args.out, f"{args.name}-{i:05d}.jsonl")
         with open(path, "w", encoding="utf-8", newline="\n") as f:
             for d in docs[i * per:(i + 1) * per]:
                 f.write(json.dumps({"text": d}) + "\n")

@@ -8,9 +8,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# Inductor's kernel cache is not safe to share between torch versions: kernels compiled by
-# another version gave wrong float8 results and aborted the process. Tests (and the torchrun
-# children they start, which inherit the environment) keep one cache per torch version.
+# Inductor's kernel cache is not safe to share between torch versions or CPU capabilities
+# (ATEN_CPU_CAPABILITY): kernels compiled by another version gave wrong float8 results and
+# aborted the process, and AVX512 kernels failed compiled float8 tests run as AVX2. Tests (and
+# the torchrun children they start, which inherit the environment) keep one cache per pair.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     import getpass
     import tempfile
@@ -18,7 +19,7 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     import torch
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", f"torch-{torch.__version__}"
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", f"torch-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}"
     )
 
 

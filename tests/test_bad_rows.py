@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import trainer.data
+import trainer.data_source
 from tests.helpers import ROOT, read_metrics, run_train
 from tests.test_faults import SMALL, checkpoints, error_line, ok
 from trainer.data import build_dataloader
@@ -108,8 +109,8 @@ def test_every_row_bad_is_an_error_even_when_skipping(tok, tmp_path):
 
 def test_a_long_check_reports_progress(tok, tmp_path, monkeypatch, capsys):
     # as if the first row had taken over PROGRESS_AFTER_S, and the rest less than PROGRESS_EVERY_S
-    monkeypatch.setattr(trainer.data, "PROGRESS_AFTER_S", 0.0)
-    monkeypatch.setattr(trainer.data, "PROGRESS_EVERY_S", 3600.0)
+    monkeypatch.setattr(trainer.data_source, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(trainer.data_source, "PROGRESS_EVERY_S", 3600.0)
     data = write_rows(tmp_path / "d.jsonl", 300, {})
     loader(tok, data, verbose=True)
     out = capsys.readouterr().out.splitlines()

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,10 +24,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from tests.helpers import ROOT, free_port, read_metrics, run_train
-from trainer.checkpoint import CheckpointManager
-from trainer.config import build_config
+from trainer.dcp_reader import read_dcp_metadata
 from trainer.errors import UserError
-from trainer.weights import read_dcp_metadata
 
 # warmup_steps = 10 makes the learning rate of steps 1..10 independent of training.steps, so
 # a 10-step first leg and a 20-step run see the same schedule there.
@@ -363,15 +360,6 @@ def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"unreadable \.metadata .*unexpected object posix\.system"):
         read_dcp_metadata(tmp_path, "checkpoint")
     assert not (tmp_path / "pwned").exists()
-
-
-def test_load_step_that_does_not_exist(tmp_path):
-    (tmp_path / "checkpoints" / "step-5").mkdir(parents=True)
-    cfg = build_config(["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "true",
-                        "--checkpoint.load_step", "7"])
-    manager = CheckpointManager(SimpleNamespace(cfg=cfg))
-    with pytest.raises(UserError, match=r"load_step = 7: no such checkpoint .* \(found: 5\)"):
-        manager.load_latest()
 
 
 def test_export_converts_to_hf_and_initial_weights_load(ref1, tmp_path):

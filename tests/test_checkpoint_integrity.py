@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import run_train
 from trainer import checksums
-from trainer.checkpoint import checkpoint_bytes, checkpoints_to_hold, format_bytes
+from trainer.checkpoint_folder import checkpoint_bytes, checkpoints_to_hold, format_bytes
 from trainer.config import build_config
 from trainer.model_setup import build_meta_model, model_args_for
 

@@ -1,8 +1,9 @@
-"""scripts/compare_throughput.py: pure table/speedup helpers, argument errors, and CPU runs."""
+"""scripts/compare_throughput.py and its parts (compare_run, compare_report, compare_chart):
+pure table/speedup helpers, argument errors, profiles per cell, charts merged from result
+files, and CPU runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -13,12 +14,15 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
+from tests.test_profile_summary import EXPECTED, synthetic_trace
 from trainer.config import build_config
 
-_spec = importlib.util.spec_from_file_location("compare_throughput", ROOT / "scripts" / "compare_throughput.py")
-ct = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = ct  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(ct)
+sys.path.insert(0, str(ROOT / "scripts"))
+import compare_chart as chart
+import compare_report as rep
+import compare_run as cr
+import compare_throughput as ct
+import profile_summary as ps
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Small enough that a compiled cell costs seconds, not minutes, on 2 cores.
@@ -33,13 +37,13 @@ def _record(step: int, tps: float, loss: float = 5.0, mem: float = 1.0, mfu: flo
     }
 
 
-def _ok(precision: str, mode: str, tps: float) -> ct.CellResult:
-    return ct.CellResult(precision, mode, ok=True, tps=tps, tflops=tps / 1000, peak_memory_gib=1.0,
+def _ok(precision: str, mode: str, tps: float) -> cr.CellResult:
+    return cr.CellResult(precision, mode, ok=True, tps=tps, tflops=tps / 1000, peak_memory_gib=1.0,
                          first_step_s=2.0, final_loss=4.0, steps_measured=3)
 
 
-def _failed(precision: str, mode: str, reason: str = "RuntimeError: boom") -> ct.CellResult:
-    return ct.CellResult(precision, mode, reason=reason, returncode=1, wall_s=1.0, log=f"runs/{precision}-{mode}/log.txt")
+def _failed(precision: str, mode: str, reason: str = "RuntimeError: boom") -> cr.CellResult:
+    return cr.CellResult(precision, mode, reason=reason, returncode=1, wall_s=1.0, log=f"runs/{precision}-{mode}/log.txt")
 
 
 def _run_script(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -55,7 +59,7 @@ def test_summarize_drops_warmup_and_takes_medians():
     # Step 1 is the compile step: slow, and must only show up in first_step_s.
     records = [_record(1, 10.0, mem=3.0), _record(2, 50.0), _record(3, 100.0, mfu=40.0),
                _record(4, 300.0, mfu=50.0), _record(5, 200.0, loss=2.5, mfu=45.0)]
-    s = ct.summarize(list(reversed(records)), warmup=2)
+    s = cr.summarize(list(reversed(records)), warmup=2)
     assert s["tps"] == 200.0 and s["tflops"] == pytest.approx(0.2)
     assert s["mfu_pct"] == 45.0
     assert s["peak_memory_gib"] == 3.0  # max over every step, warm-up included
@@ -64,15 +68,15 @@ def test_summarize_drops_warmup_and_takes_medians():
 
 
 def test_summarize_mfu_null_on_cpu_and_no_steps_after_warmup():
-    assert ct.summarize([_record(1, 5.0), _record(2, 7.0)], warmup=1)["mfu_pct"] is None
+    assert cr.summarize([_record(1, 5.0), _record(2, 7.0)], warmup=1)["mfu_pct"] is None
     with pytest.raises(ValueError, match="no steps after the 3 warm-up steps"):
-        ct.summarize([_record(1, 5.0), _record(2, 7.0)], warmup=3)
+        cr.summarize([_record(1, 5.0), _record(2, 7.0)], warmup=3)
 
 
 def test_speedups_against_bf16_eager_and_same_compile():
     results = [_ok("bf16", "none", 100.0), _ok("tensorwise", "none", 50.0), _ok("bf16", "block", 200.0),
                _ok("tensorwise", "block", 300.0), _failed("rowwise", "block"), _ok("rowwise", "model", 120.0)]
-    ct.add_speedups(results)
+    rep.add_speedups(results)
     by = {r.name: r for r in results}
     assert by["bf16-none"].speedup_vs_bf16_eager == 1.0 == by["bf16-none"].speedup_vs_bf16_same_compile
     assert by["tensorwise-none"].speedup_vs_bf16_eager == 0.5
@@ -85,34 +89,34 @@ def test_speedups_against_bf16_eager_and_same_compile():
 
 def test_speedups_without_bf16_eager():
     results = [_failed("bf16", "none"), _ok("bf16", "block", 200.0), _ok("rowwise", "block", 100.0)]
-    ct.add_speedups(results)
+    rep.add_speedups(results)
     assert results[2].speedup_vs_bf16_eager is None
     assert results[2].speedup_vs_bf16_same_compile == 0.5
 
 
 def test_table_rows_and_failures():
     results = [_ok("bf16", "none", 1234.0), _ok("tensorwise", "none", 2468.0), _failed("rowwise", "none")]
-    ct.add_speedups(results)
-    table = ct.render_table(results)
+    rep.add_speedups(results)
+    table = rep.render_table(results)
     lines = table.splitlines()
     assert len(lines) == 2 + 3
     assert lines[0].count("|") == lines[2].count("|") == lines[4].count("|") == 11
     assert "| bf16 | none | 1,234 |" in table and "n/a" in lines[2]  # no MFU on CPU
     assert "| 2.00x | 2.00x |" in lines[3]
     assert lines[4].startswith("| rowwise | none | failed |")
-    failures = ct.render_failures(results)
+    failures = rep.render_failures(results)
     assert "rowwise-none: RuntimeError: boom" in failures
-    assert ct.render_failures(results[:2]) == ""
+    assert rep.render_failures(results[:2]) == ""
 
 
 def test_markdown_has_table_failures_and_provenance():
     results = [_ok("bf16", "none", 100.0), _failed("tensorwise", "none")]
-    ct.add_speedups(results)
+    rep.add_speedups(results)
     env = {"python": "3.11", "torch": "2.13.0", "cuda": None, "gpu": None, "cpu": "Some CPU", "os": "Linux"}
     info = {"command": "python scripts/compare_throughput.py --x", "date": "2025-01-01T00:00:00Z",
             "nproc": 1, "steps": 6, "warmup": 3, "environment": env}
-    md = ct.render_markdown(results, info)
-    assert ct.render_table(results) in md
+    md = rep.render_markdown(results, info)
+    assert rep.render_table(results) in md
     assert "tensorwise-none: RuntimeError: boom" in md
     assert "steps 4-6 of 6" in md and "`python scripts/compare_throughput.py --x`" in md
     assert "torch 2.13.0" in md and "Some CPU" in md and "2025-01-01" in md
@@ -140,51 +144,166 @@ def test_markdown_has_table_failures_and_provenance():
     ],
 )
 def test_failure_reason(lines, rc, expected):
-    assert ct.failure_reason([line + "\n" for line in lines], rc) == expected
+    assert cr.failure_reason([line + "\n" for line in lines], rc) == expected
 
 
 def test_cell_overrides_win_over_user_and_config(tmp_path):
     base = ["--config", "configs/debug.toml", "--float8.fsdp_float8_all_gather", "true"]
-    cfg = build_config([*base, *ct.cell_overrides("rowwise", "block", 5, str(tmp_path))])
+    cfg = build_config([*base, *cr.cell_overrides("rowwise", "block", 5, str(tmp_path))])
     assert cfg.float8.enabled and cfg.float8.scaling == "rowwise"
     assert not cfg.float8.fsdp_float8_all_gather  # tensorwise-only feature, off for the other cells
     assert cfg.compile.mode == "block" and cfg.training.steps == 5 and cfg.metrics.log_freq == 1
     assert cfg.job.dump_folder == str(tmp_path) and cfg.job.run_name == "rowwise-block"
     assert not cfg.checkpoint.enable and not cfg.profiling.enable
-    tensorwise = build_config([*base, *ct.cell_overrides("tensorwise", "none", 5, str(tmp_path))])
+    tensorwise = build_config([*base, *cr.cell_overrides("tensorwise", "none", 5, str(tmp_path))])
     assert tensorwise.float8.fsdp_float8_all_gather  # the user's choice stands for tensorwise
-    bf16 = build_config([*base, "--float8.enabled", "true", *ct.cell_overrides("bf16", "model", 5, "x")])
+    bf16 = build_config([*base, "--float8.enabled", "true", *cr.cell_overrides("bf16", "model", 5, "x")])
     assert not bf16.float8.enabled and bf16.compile.mode == "model"
 
 
-def test_chart_is_a_png(tmp_path):
+def _run(results: list, folder: str = "cmp") -> rep.Run:
+    return rep.Run(Path(folder) / "comparison.json", results, {})
+
+
+def test_chart_of_one_run(tmp_path):
     pytest.importorskip("matplotlib")
     results = [_ok("bf16", "none", 100.0), _ok("tensorwise", "none", 80.0), _ok("bf16", "block", 150.0),
                _failed("tensorwise", "block")]
-    ct.add_speedups(results)
+    data = chart.chart_data([_run(results)])
+    assert data.groups == ["compile none", "compile block"] and data.precisions == ["bf16", "tensorwise"]
+    assert data.bars == {("bf16", "compile none"): (100.0, "1.00x"), ("tensorwise", "compile none"): (80.0, "0.80x"),
+                         ("bf16", "compile block"): (150.0, "1.00x"), ("tensorwise", "compile block"): (0.0, "failed")}
     path = tmp_path / "c.png"
-    assert ct.write_chart(results, path, "title")
-    data = path.read_bytes()
-    assert data.startswith(PNG_MAGIC) and len(data) > 5000
+    assert chart.write_chart(data, path, "title")
+    png = path.read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 5000
 
 
-def test_chart_with_cells_not_run(tmp_path):
-    # Results merged from separate comparisons need not fill the precision x compile grid.
+def _write_result(folder: Path, results: list, **info) -> Path:
+    folder.mkdir(parents=True)
+    rep.add_speedups(results)
+    info = {"config": "configs/7b_fp8.toml", "nproc": 2, "steps": 10, "warmup": 3,
+            "environment": {"gpu": "NVIDIA H200"}, **info}
+    (folder / "comparison.json").write_text(json.dumps(rep.report_json(results, info)))
+    return folder / "comparison.json"
+
+
+def test_chart_merges_a_compiled_and_an_eager_run(tmp_path, capsys, monkeypatch):
+    # The docs' 7B chart: cells measured by two comparisons that do not overlap form one grid.
     pytest.importorskip("matplotlib")
-    results = [_ok("bf16", "none", 100.0), _ok("bf16", "block", 150.0), _ok("rowwise", "block", 170.0)]
-    ct.add_speedups(results)
-    path = tmp_path / "c.png"
-    assert ct.write_chart(results, path, "title")
-    assert path.read_bytes().startswith(PNG_MAGIC)
+    block = _write_result(tmp_path / "cmp_block", [_ok("bf16", "block", 11215.0), _ok("tensorwise", "block", 13903.0),
+                                                   _ok("rowwise", "block", 12945.0)])
+    eager = _write_result(tmp_path / "cmp_eager", [_ok("bf16", "none", 9246.0), _ok("tensorwise", "none", 8870.0)],
+                          steps=7)
+    data = chart.chart_data([rep.load_run(block), rep.load_run(eager)])
+    assert not data.per_run and data.groups == ["compile none", "compile block"]
+    assert data.precisions == ["bf16", "tensorwise", "rowwise"]
+    assert data.bars == {
+        ("bf16", "compile none"): (9246.0, "1.00x"), ("tensorwise", "compile none"): (8870.0, "0.96x"),
+        ("bf16", "compile block"): (11215.0, "1.00x"), ("tensorwise", "compile block"): (13903.0, "1.24x"),
+        ("rowwise", "compile block"): (12945.0, "1.15x"),
+    }
+    assert chart.chart_title([rep.load_run(block), rep.load_run(eager)]) == (
+        "7b_fp8.toml: 2 x NVIDIA H200, steps 4-10\n7b_fp8.toml: 2 x NVIDIA H200, steps 4-7")
+    out = tmp_path / "merged.png"
+    titles = []
+    monkeypatch.setattr(ct, "write_chart", lambda data, path, title: titles.append(title) or chart.write_chart(
+        data, path, title))
+    assert ct.main(["--chart", str(out), "--title", "LLaMA-2-7B", str(block), str(eager)]) == 0
+    assert titles == ["LLaMA-2-7B"]
+    assert out.read_bytes().startswith(PNG_MAGIC)
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {out}: 5 cells from 2 result file(s); groups: compile none; compile block")
+
+
+def test_chart_keeps_runs_apart_when_they_measured_the_same_cells(tmp_path):
+    # Batch 2 and batch 4: each run's float8 cell is compared with the bf16 cell of its own run.
+    pytest.importorskip("matplotlib")
+    b2 = _write_result(tmp_path / "b2", [_ok("bf16", "block", 100.0), _ok("tensorwise", "block", 125.0)])
+    b4 = _write_result(tmp_path / "b4", [_ok("bf16", "block", 110.0), _ok("tensorwise", "block", 143.0),
+                                          _ok("bf16", "none", 90.0)])
+    runs = [rep.load_run(b2), rep.load_run(b4)]
+    data = chart.chart_data(runs)
+    assert data.per_run
+    assert data.groups == ["compile none, b4", "compile block, b2", "compile block, b4"]
+    assert data.bars == {
+        ("bf16", "compile block, b2"): (100.0, "1.00x"), ("tensorwise", "compile block, b2"): (125.0, "1.25x"),
+        ("bf16", "compile block, b4"): (110.0, "1.00x"), ("tensorwise", "compile block, b4"): (143.0, "1.30x"),
+        ("bf16", "compile none, b4"): (90.0, "1.00x"),
+    }
+    named = chart.chart_data(runs, ["batch 2", "batch 4"])
+    assert named.groups == ["compile none, batch 4", "compile block, batch 2", "compile block, batch 4"]
+    assert ct.main(["--chart", str(tmp_path / "c.png"), "--labels", "batch 2,batch 4", str(b2), str(b4)]) == 0
+    assert (tmp_path / "c.png").read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "--chart needs at least one comparison.json"),
+        (["{missing}"], "no such file"),
+        (["{not_json}"], "not JSON"),
+        (["{not_comparison}"], "not a comparison.json"),
+        (["{good}", "--config", "configs/debug.toml"], "--chart draws from result files and runs nothing"),
+        (["{good}", "--labels", "a,b"], "--labels needs 1 distinct non-empty names"),
+    ],
+)
+def test_chart_bad_input_one_line_exit_2(tmp_path, capsys, args, message):
+    files = {"missing": tmp_path / "missing.json", "not_json": tmp_path / "x.json",
+             "not_comparison": tmp_path / "y.json", "good": _write_result(tmp_path / "g", [_ok("bf16", "none", 1.0)])}
+    files["not_json"].write_text("{")
+    files["not_comparison"].write_text(json.dumps({"cells": [{"precision": "fp4", "compile": "none", "ok": True}]}))
+    argv = ["--chart", str(tmp_path / "c.png"), *(a.format(**files) for a in args)]
+    assert ct.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "c.png").exists()
 
 
 def test_chart_without_matplotlib_is_skipped_with_a_message(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     stale = tmp_path / "comparison.png"
     stale.write_bytes(PNG_MAGIC)
-    assert not ct.write_chart([_ok("bf16", "none", 100.0)], stale, "title")
+    assert not chart.write_chart(chart.chart_data([_run([_ok("bf16", "none", 100.0)])]), stale, "title")
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not stale.exists()
+
+
+def test_profile_step_traces_one_step_and_leaves_it_out_of_the_medians(tmp_path):
+    cfg = build_config(["--config", "configs/debug.toml", *cr.cell_overrides("tensorwise", "block", 5, "x", 4)])
+    assert cfg.profiling.enable and cfg.profiling.steps == [4]
+    records = [_record(1, 10.0), _record(2, 100.0), _record(3, 110.0), _record(4, 20.0)]
+    assert cr.summarize(records, 1, frozenset({4}))["tps"] == 105.0
+    assert cr.summarize(records, 1, frozenset({4}))["steps_measured"] == 2
+    trace = tmp_path / "profiles" / "step-4" / "rank-0.json"
+    trace.parent.mkdir(parents=True)
+    trace.write_text(json.dumps(synthetic_trace()))
+    profile = cr.profile_of(tmp_path, 4)
+    assert profile["classes"] == EXPECTED and profile["gpu_idle_ms"] == 5.0
+    assert cr.profile_of(tmp_path, 3) == {"error": f"{tmp_path}/profiles/step-3/rank-0.json: no such file"}
+
+
+def test_profiles_in_the_report(tmp_path, monkeypatch):
+    def fake_cell(precision, mode, cli, *rest):
+        assert cli.profile_step == 3
+        r = _ok(precision, mode, 100.0 if precision == "bf16" else 150.0)
+        r.wall_s = 1.0
+        # bf16's trace is missing; tensorwise's is the synthetic GPU step.
+        r.profile = cr.profile_of(tmp_path / "none", 3) if precision == "bf16" else ps.summarize(synthetic_trace())
+        return r
+
+    monkeypatch.setattr(ct, "run_cell", fake_cell)
+    assert ct.main(["--config", "configs/debug.toml", "--out", str(tmp_path / "o"), "--steps", "4",
+                    "--warmup", "1", "--profile-step", "3", "--precisions", "bf16,tensorwise", "--compile", "none"]) == 0
+    md = (tmp_path / "o" / "comparison.md").read_text()
+    assert "Profile of step 3, rank 0" in md and "profiled step 3 left out" in md
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert rows["tensorwise"] == ("| tensorwise | none | 13.00 (2) | 4.00 (1) | 3.00 (3) | 2.00 (1) | 3.00 (2) "
+                                  "| 1.00 (1) | 13.50 (3) | 6.00 | 5.00 | 40.00 |")
+    assert rows["bf16"].startswith("| bf16 | none | no trace: ") and "no such file" in rows["bf16"]
+    report = json.loads((tmp_path / "o" / "comparison.json").read_text())
+    assert report["profile_step"] == 3
+    assert report["cells"][1]["profile"]["classes"] == EXPECTED
 
 
 def test_event_files_are_copied_without_the_hostname(tmp_path):
@@ -192,9 +311,9 @@ def test_event_files_are_copied_without_the_hostname(tmp_path):
     src.mkdir()
     name = f"events.out.tfevents.1700000000.{socket.gethostname()}.123.0"
     (src / name).write_bytes(b"events")
-    ct.copy_events(src, tmp_path / "dst")
+    cr.copy_events(src, tmp_path / "dst")
     assert [p.name for p in (tmp_path / "dst").iterdir()] == ["events.out.tfevents.1700000000.host.123.0"]
-    ct.copy_events(tmp_path / "missing", tmp_path / "none")  # a run that died before TensorBoard started
+    cr.copy_events(tmp_path / "missing", tmp_path / "none")  # a run that died before TensorBoard started
     assert not (tmp_path / "none").exists()
 
 
@@ -221,6 +340,11 @@ def test_all_cells_failed_exits_1_and_still_reports(tmp_path, monkeypatch, capsy
         (["--", "--compile.mode", "block"], "--compile.mode is set for each cell by this script"),
         (["--", "--config", "configs/7b_fp8.toml"], "pass --config before `--`"),
         (["--", "--training.bach_size", "2"], "unknown config key training.bach_size (did you mean 'batch_size'?)"),
+        (["--steps", "3", "--warmup", "2", "--profile-step", "3"], "--profile-step must be a step in [1, 3]"),
+        (["--profile-step", "0"], "--profile-step must be a step in [1, 20]"),
+        (["--", "--profiling.steps", "2"], "--profiling.steps is set for each cell by this script"),
+        (["results.json"], "result files, --labels and --title are read only with --chart"),
+        (["--title", "x"], "result files, --labels and --title are read only with --chart"),
     ],
 )
 def test_bad_arguments_one_line_exit_2(args, message, tmp_path, capsys):
@@ -305,3 +429,20 @@ def test_failed_cell_is_recorded_and_others_run(tmp_path):
     assert "| bf16 | block | failed |" in md and "bf16-block: " in md
     assert "FAILED" in result.stdout
     assert Path(by["bf16-block"]["log"]).read_text().count("no_such_backend") >= 1
+
+
+@pytest.mark.slow
+def test_profiled_cell_on_cpu(tmp_path):
+    out = tmp_path / "cmp"
+    result = _run_script(["--config", "configs/debug.toml", "--steps", "3", "--warmup", "1", "--profile-step", "2",
+                          "--precisions", "tensorwise", "--compile", "none", "--out", str(out), "--", *TINY])
+    assert result.returncode == 0, result.stdout + result.stderr
+    cell = json.loads((out / "comparison.json").read_text())["cells"][0]
+    assert cell["ok"] and cell["steps_measured"] == 1  # step 3; step 2 was traced
+    assert "--profiling.enable true --profiling.steps 2" in cell["command"]
+    profile = cell["profile"]
+    assert profile["device"] == "cpu" and "gpu_idle_ms" not in profile
+    # The debug model's float8 linears: GEMMs and casts, and AdamW under Optimizer.step.
+    for cls in ("gemm", "float8", "optimizer", "elementwise"):
+        assert profile["classes"][cls]["count"] > 0 and profile["classes"][cls]["ms"] > 0, cls
+    assert "Profile of step 2, rank 0" in (out / "comparison.md").read_text()

@@ -17,7 +17,7 @@ from torch import nn
 
 from tests.helpers import run_train
 from tests.test_checkpoint import one_error_line as error_line
-from trainer.checkpoint import nonfinite_weights
+from trainer.checkpoint_state import nonfinite_weights
 from trainer.config import build_config
 from trainer.dump import acquire_lock, move_previous_records, release_lock
 from trainer.errors import UserError, process_start_time

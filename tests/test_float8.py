@@ -220,7 +220,7 @@ def test_meta_conversion_allocates_nothing_and_keeps_parameters():
     model.layers[0].wq.weight.requires_grad_(False)
     before = {n: p for n, p in model.named_parameters()}
     report = convert_to_float8_training(model)
-    assert len(report.converted) == 7
+    assert len(report.converted) == 6 and ("output", "filtered by filter_fqns") in report.skipped
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()
     for name, p in after.items():
@@ -271,6 +271,8 @@ def test_fsdp_all_gather_weight_trains_like_a_plain_weight():
         ({"filter_fqns": None}, "filter_fqns"),
         ({"min_features": -1}, "min_features"),
         ({"scaling": "rowwise", "fsdp_float8_all_gather": True}, "fsdp_float8_all_gather"),
+        ({"compile_casts_in_eager": "yes"}, "compile_casts_in_eager"),
+        ({"dynamo_recompile_limit": -1}, "dynamo_recompile_limit"),
     ],
 )
 def test_bad_config_raises(kwargs, field):
@@ -301,17 +303,19 @@ def test_compiled_matches_eager_fullgraph(scaling):
         assert sqnr(p_e.grad, p_c.grad) >= 30
 
 
-def test_self_compiled_casts_in_eager_match(monkeypatch):
-    # On CUDA, eager-mode casts run as compiled kernels; force that path on CPU.
-    import float8.scaling
-
-    _, f8 = pair(in_f=64, out_f=32)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_self_compiled_casts_in_eager_match(scaling):
+    # On CUDA, eager-mode casts run as compiled kernels; "always" forces that path on CPU.
+    _, plain = pair(in_f=64, out_f=32, scaling=scaling, compile_casts_in_eager="never")
+    _, fused = pair(in_f=64, out_f=32, scaling=scaling, compile_casts_in_eager="always")
     x, g = torch.randn(48, 64), torch.randn(48, 32)
-    expected = run(f8, x, g)
-    f8.zero_grad()
-    monkeypatch.setattr(float8.scaling, "compile_casts_in_eager", lambda t: True)
-    for a, b in zip(run(f8, x, g), expected):
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    for a, b in zip(run(fused, x, g), run(plain, x, g)):
         torch.testing.assert_close(a, b)
+    # The casts compiled as they ran, and left torch's global settings alone.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    assert torch._dynamo.config.recompile_limit == limit
 
 
 def test_fsdp_pre_all_gather_pads_uneven_shards_and_round_trips():

@@ -153,7 +153,7 @@ def test_children_finds_a_child_process():
 
 
 def test_convert_weights_random_source_writes_the_flavor_in_bf16(tmp_path):
-    from models.llama.weights_io import read_weights
+    from models.llama.weight_files import read_weights
 
     assert convert_weights.main(["--from", "random", "--to", "hf", "--flavor", "debug", "--dtype", "bf16",
                                  "--n-layers", "2", str(tmp_path / "hf")]) == 0

@@ -64,6 +64,8 @@ def test_debug_flavour_exercises_gqa() -> None:
 def test_args_are_validated() -> None:
     with pytest.raises(ValueError, match="n_kv_heads"):
         LlamaArgs(dim=64, n_heads=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="attention must be 'sdpa' or 'flex'"):
+        LlamaArgs(attention="auto")  # resolved before the model is built
 
 
 def meta_reference_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

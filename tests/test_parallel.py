@@ -59,6 +59,18 @@ def test_loss_parity_single_fsdp_tp(tmp_path, precision):
     _assert_close(single, tp, 1e-2, f"{precision} TP=2 vs 1 process")
 
 
+def test_loss_parallel_matches_replicated_logits(tmp_path):
+    # The TP runs above use the default loss_parallel (vocab-sharded logits); the same run
+    # with full logits on every rank and under the 2-D mesh must give the same losses.
+    single = _losses(tmp_path, "single", ["--training.batch_size", "8"])
+    sharded = _losses(tmp_path, "sharded", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+                      nproc=2)
+    whole = _losses(tmp_path, "whole", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                                        "--parallelism.loss_parallel", "false"], nproc=2)
+    _assert_close(whole, sharded, 1e-3, "TP=2 loss parallel vs replicated logits")
+    _assert_close(single, sharded, 1e-2, "TP=2 loss parallel vs 1 process")
+
+
 def test_fsdp_float8_all_gather_same_losses(tmp_path):
     args = ["--training.batch_size", "4", *FLOAT8["tensorwise"]]
     off = _losses(tmp_path, "off", [*args, "--float8.fsdp_float8_all_gather", "false"], nproc=2)

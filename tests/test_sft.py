@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from models.llama import LLAMA2_FLAVORS, Transformer
-from trainer.data import IGNORE_INDEX, build_dataloader
+from trainer.config import DataConfig
+from trainer.data import build_dataloader
+from trainer.data_windows import IGNORE_INDEX
 from trainer.errors import UserError
 from trainer.sft_data import (
     SFTOptions,
@@ -352,6 +354,19 @@ def test_bad_rows(tok: Tokenizer, tmp_path: Path) -> None:
     assert sft_error(tok, tmp_path, [CHAT], format="alpaca").startswith("FILE:1: missing field 'instruction'")
 
 
+def test_options_are_the_data_section() -> None:
+    # one source of defaults: the API's SFTOptions() is what train.py does with an empty [data]
+    assert SFTOptions() == SFTOptions.from_config(DataConfig())
+    assert SFTOptions().pack is False
+    data = DataConfig(sft_format="chat", messages_field="turns", train_on="all", pack=True,
+                      truncation="drop", shuffle=False)
+    assert SFTOptions.from_config(data) == SFTOptions(
+        format="chat", messages_field="turns", train_on="all", pack=True, truncation="drop", shuffle=False)
+    # choices come from the config too
+    with pytest.raises(UserError, match="SFT option train_on = 'prompts' is not one of: responses, all"):
+        SFTOptions.from_config(DataConfig(train_on="prompts"))
+
+
 def test_bad_options(tok: Tokenizer, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="SFT option truncation = 'cut' is not one of"):
         SFTOptions(truncation="cut")
@@ -390,7 +405,7 @@ def test_shipped_sft_data(tok: Tokenizer) -> None:
     longest = max(len(tokenize_dialog((None, [(r["instruction"], r["output"])]), tok)[0])
                   for r in train[:500])
     assert longest < 64  # compact: many samples per packed 256-token row
-    dl = sft_loader(tok, ROOT / "data" / "sft" / "chat_example.jsonl", seq_len=256)
+    dl = sft_loader(tok, ROOT / "data" / "sft" / "chat_example.jsonl", seq_len=256, pack=True)
     assert next(iter(dl))["input_ids"].shape == (2, 256)
 
 

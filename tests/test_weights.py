@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
-from models.llama.weights import (
+from models.llama.weight_conversion import (
     WeightsError,
     args_from_hf_config,
     args_from_meta_params,
@@ -21,7 +21,7 @@ from models.llama.weights import (
     meta_params_from_args,
     meta_to_llama,
 )
-from models.llama.weights_io import read_weights, write_weights
+from models.llama.weight_files import read_weights, write_weights
 
 TINY = LlamaArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=64

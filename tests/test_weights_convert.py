@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from models.llama import LLAMA2_FLAVORS, Transformer
-from models.llama.weights import hf_config_from_args, llama_to_hf
-from models.llama.weights_io import read_weights, write_weights
+from models.llama.weight_conversion import hf_config_from_args, llama_to_hf
+from models.llama.weight_files import read_weights, write_weights
 from scripts.convert_weights import main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models.llama import LlamaArgs, Transformer
-from models.llama.weights import hf_config_from_args
-from models.llama.weights_io import load_tensor_file, read_weights, write_hf
+from models.llama.weight_conversion import hf_config_from_args
+from models.llama.weight_files import load_tensor_file, read_weights, write_hf
 from scripts.convert_weights import main as convert_weights
 
 transformers = pytest.importorskip("transformers")

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 from float8.linear import scaled_mm_supported
+from float8.recipe import RECIPES
 from trainer.config import Config, Float8TrainingConfig
 from trainer.errors import UserError
-from trainer.parallelize import float8_tp_styles_compile_correctly
 
 # Below this many tokens per GPU per micro-batch the float8 GEMMs are too small to beat bf16.
 MIN_FLOAT8_TOKENS = 8192
@@ -29,6 +29,7 @@ def advise(
     f8 = cfg.float8
     if not f8.enabled:
         return notes
+    recipe = RECIPES[f8.scaling]
     if device.type == "cuda" and not f8.emulate and not float8_gemm_supported(device):
         major, minor = torch.cuda.get_device_capability(device)
         raise UserError(
@@ -36,18 +37,10 @@ def advise(
             f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Set float8.emulate = true to test, "
             "or float8.enabled = false"
         )
-    if device.type == "cpu" and not f8.emulate and not scaled_mm_supported(f8.scaling != "tensorwise", "cpu"):
+    if device.type == "cpu" and not f8.emulate and not scaled_mm_supported(recipe.rowwise_gemms, "cpu"):
         raise UserError(
             f"float8.scaling = '{f8.scaling}' needs row-wise scaled float8 GEMMs, which torch "
             f"{torch.__version__} does not run on CPU (torch >= 2.13 does); set float8.emulate = true to test here"
-        )
-    if tp_degree > 1 and f8.scaling == "tensorwise" and cfg.parallelism.float8_tensor_parallel and not (
-        float8_tp_styles_compile_correctly(cfg)
-    ):
-        notes.append(
-            f"torch {torch.__version__} miscompiles the float8 tensor-parallel styles with float32 parameters: "
-            "activations are all-gathered in float32 instead; use training.mixed_precision_param = 'bfloat16' "
-            "or torch >= 2.13 for float8 all-gathers"
         )
     if f8.emulate:
         notes.append("float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only")
@@ -62,14 +55,14 @@ def advise(
             f"float8 with training.batch_size x training.seq_len = {tokens} tokens per GPU per micro-batch: "
             f"GEMMs this small gain little from float8; use >= {MIN_FLOAT8_TOKENS} tokens or float8.enabled = false"
         )
-    if f8.fsdp_float8_all_gather and f8.scaling != "tensorwise":
+    if f8.fsdp_float8_all_gather and not recipe.weight_gatherable_in_float8:
         notes.append(
             f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{f8.scaling}' (weights are "
             "all-gathered in bf16); use scaling = 'tensorwise' or set it false"
         )
-    if f8.scaling == "tensorwise" and not f8.fsdp_float8_all_gather and dp_degree > 1:
+    if recipe.weight_gatherable_in_float8 and not f8.fsdp_float8_all_gather and dp_degree > 1:
         notes.append(
-            "float8 tensorwise without float8.fsdp_float8_all_gather: FSDP all-gathers bf16 weights; set "
+            f"float8 {f8.scaling} without float8.fsdp_float8_all_gather: FSDP all-gathers bf16 weights; set "
             "float8.fsdp_float8_all_gather = true to halve that traffic"
         )
     skipped = getattr(float8_report, "skipped", None) or []

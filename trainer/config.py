@@ -57,11 +57,21 @@ class ModelConfig:
         "Longest sequence the model is built for (RoPE table size); 0 = the flavour's (debug 2048, 7B 4096). "
         "Set it to at least training.seq_len to train beyond the flavour's length.",
     )
+    attention: str = _opt(
+        "auto",
+        "Attention kernel for packed samples (data.pack): sdpa = SDPA with a dense document mask; flex = "
+        "flex_attention with a block-sparse document mask (CUDA only: no flex backward on CPU); auto = flex "
+        "when compile.mode is block or model on CUDA, else sdpa. Unpacked batches always use SDPA's causal kernel.",
+        ("auto", "sdpa", "flex"),
+    )
 
 
 @dataclass
 class Float8TrainingConfig:
     """Float8 training of the linear layers (see docs/float8.md)."""
+
+    # Same names and defaults as float8.Float8Config (tests/test_float8_training.py checks),
+    # without importing torch here: a bad config is refused before torch loads.
 
     enabled: bool = _opt(False, "Convert eligible nn.Linear layers to float8 training linears.")
     scaling: str = _opt("tensorwise", "Scaling recipe.", ("tensorwise", "rowwise", "rowwise_gw_hp"))
@@ -87,6 +97,7 @@ class ParallelismConfig:
     tensor_parallel_degree: int = _opt(1, "Tensor (and sequence) parallel degree.")
     reshard_after_forward: bool = _opt(True, "FSDP: free gathered weights after forward (saves memory, regathers in backward).")
     float8_tensor_parallel: bool = _opt(True, "With tensorwise float8, use float8-aware TP styles (all-gathers move float8).")
+    loss_parallel: bool = _opt(True, "With TP: keep the logits sharded on the vocab dim and compute the cross-entropy in parallel, so no rank holds full-vocab logits.")
 
 
 @dataclass
@@ -131,6 +142,11 @@ class DataConfig:
     path: str = _opt("data/corpus", "File, folder or glob of .txt/.jsonl/.parquet (or a hub dataset name when online).")
     format: str = _opt("auto", "Input format (auto = by file extension).", ("auto", "text", "jsonl", "parquet"))
     text_field: str = _opt("text", "Field holding the text in JSON Lines / parquet pretraining data.")
+    num_workers: int = _opt(
+        1,
+        "Pretraining: worker processes per rank that read and tokenize this rank's share of the rows ahead "
+        "of use (0 = on the training thread, when a batch is needed).",
+    )
     bad_rows: str = _opt(
         "error",
         "A data row that is not UTF-8, not JSON or lacks its field(s): error = stop the run naming file and line "
@@ -148,6 +164,16 @@ class DataConfig:
     truncation: str = _opt("truncate_prompt", "SFT samples longer than seq_len: cut the prompt's start, or drop them (counted in the log).", ("truncate_prompt", "drop"))
     shuffle: bool = _opt(True, "SFT: seeded shuffle each epoch.")
     eval_path: str = _opt("", "Held-out SFT split for scripts/eval_sft.py.")
+
+
+@dataclass
+class ValidationConfig:
+    """Held-out loss during training."""
+
+    enable: bool = _opt(False, "Evaluate on held-out data every `freq` steps and at the last step.")
+    path: str = _opt("", "Held-out data in data.path's formats (pretraining text or SFT rows, as data.kind says).")
+    freq: int = _opt(100, "Evaluate every N steps (and at the last step).")
+    steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time.")
 
 
 @dataclass
@@ -215,6 +241,7 @@ class Config:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -411,6 +438,7 @@ def validate(cfg: Config) -> None:
         ("training", "batch_size"), ("training", "seq_len"), ("training", "steps"),
         ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
         ("checkpoint", "interval"), ("parallelism", "tensor_parallel_degree"),
+        ("validation", "freq"), ("validation", "steps"),
     ]
     for section, key in positive:
         value = getattr(getattr(cfg, section), key)
@@ -419,12 +447,14 @@ def validate(cfg: Config) -> None:
     non_negative = [
         ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
         ("checkpoint", "keep_latest_k"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
-        ("optimizer", "eps"), ("training", "skip_nonfinite_steps"),
+        ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
     ]
     for section, key in non_negative:
         value = getattr(getattr(cfg, section), key)
         if value < 0:
             raise UserError(f"{section}.{key} must be >= 0, got {value}")
+    if cfg.validation.enable and not cfg.validation.path:
+        raise UserError("validation.enable = true needs validation.path (held-out data in data.path's formats)")
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from trainer.dcp_reader import describe_error
 from trainer.errors import UserError, process_start_time
 from trainer.metrics import warn
-from trainer.weights import describe_error
 
 LOCK_NAME = ".lock"
 # What a fresh run moves into previous-N/ so that it never overwrites an earlier run's records.

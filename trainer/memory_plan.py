@@ -8,8 +8,12 @@ T = batch x seq / tp tokens per micro-batch (TP's sequence-parallel parts hold 1
     activations = L x T x dim x C[AC mode]                      (C below; AC full: block inputs
                                                                  only, plus one block's full set)
                 + T x vocab x (2 + 4 + 4)                       (bf16 logits, their fp32 upcast and
-                                                                 the fp32 log-softmax of _loss_sum)
-                + B x S x S bytes                               (data.pack: the dense bool document mask)
+                                                                 the fp32 log-softmax of the loss;
+                                                                 B x S tokens of them under TP with
+                                                                 parallelism.loss_parallel off)
+                + B x S x S bytes                               (data.pack with SDPA: the dense bool
+                                                                 document mask; flex's block mask holds
+                                                                 4 x B x (S/128)^2 int32 tile indices)
                 + B x heads/tp x S x S x 4                      (CPU only: one layer's score matrix;
                                                                  CUDA's flash/efficient SDPA is O(S))
     grads       = P x 4 / (dp x tp)
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from models.llama.args import LlamaArgs
+from models.llama.attention import FLEX_BLOCK_SIZE
 from trainer.config import Config
 from trainer.errors import UserError
 
@@ -98,7 +103,8 @@ class MemoryEstimate:
 
 def estimate(
     args: LlamaArgs, *, batch_size: int, seq_len: int, ac_mode: str, float8: bool, param_bytes: int = 2,
-    dp: int = 1, tp: int = 1, packed: bool = False, device_type: str = "cuda",
+    dp: int = 1, tp: int = 1, packed: bool = False, device_type: str = "cuda", attention_kernel: str = "sdpa",
+    loss_parallel: bool = True,
 ) -> MemoryEstimate:
     """The peak memory per GPU of one micro-batch (the formula in the module docstring)."""
     total_params, block_params = n_params(args)
@@ -112,9 +118,14 @@ def estimate(
         layers = tokens * args.dim * (args.n_layers * FULL_AC_BLOCK_INPUT_BYTES + c_none) * scale
     else:
         layers = args.n_layers * tokens * args.dim * ACTIVATION_BYTES[(ac_mode, float8)] * scale
-    logits = tokens * args.vocab_size * LOGIT_BYTES
+    # Without loss parallel every TP rank holds the whole batch's full-vocab logits.
+    logit_tokens = tokens if loss_parallel else batch_size * seq_len
+    logits = logit_tokens * args.vocab_size * LOGIT_BYTES
     attention = 0.0
-    if packed:
+    if packed and attention_kernel == "flex":
+        tiles = -(-seq_len // FLEX_BLOCK_SIZE)
+        attention += 4 * batch_size * tiles * tiles * 4
+    elif packed:
         attention += batch_size * seq_len * seq_len
     if device_type == "cpu":
         attention += batch_size * (args.n_heads / max(tp, 1)) * seq_len * seq_len * 4
@@ -130,7 +141,8 @@ def estimate_for(
     return estimate(
         args, batch_size=t.batch_size, seq_len=t.seq_len, ac_mode=cfg.activation_checkpoint.mode,
         float8=cfg.float8.enabled, param_bytes=param_bytes, dp=dp, tp=tp,
-        packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type,
+        packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type, attention_kernel=args.attention,
+        loss_parallel=cfg.parallelism.loss_parallel,
     )
 
 

@@ -1,4 +1,4 @@
-"""Model construction for the trainer: flavour -> meta model -> float8 -> weights init."""
+"""Model construction for the trainer: flavour -> meta model -> weights init (float8: trainer/float8_training.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import torch
 from torch import nn
 
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
+from models.llama.attention import resolve_attention
 from trainer.config import Config
+from trainer.distributed import pick_device_type
 from trainer.errors import UserError
 
 
 def model_args_for(cfg: Config, tokenizer_words: int | None) -> LlamaArgs:
-    """The flavour's shape, with the config's overrides, checked against the tokenizer."""
+    """The flavour's shape, with the config's overrides and attention kernel, checked against the tokenizer."""
     args = LLAMA2_FLAVORS[cfg.model.flavor]
     max_seq_len = cfg.model.max_seq_len or args.max_seq_len
     if cfg.training.seq_len > max_seq_len:
@@ -24,7 +26,14 @@ def model_args_for(cfg: Config, tokenizer_words: int | None) -> LlamaArgs:
             f"training.seq_len = {cfg.training.seq_len} exceeds {where}; shorten it, or set model.max_seq_len "
             f">= {cfg.training.seq_len} to train on longer sequences than the flavour's"
         )
-    changes: dict[str, Any] = {"max_seq_len": max_seq_len}
+    device_type = pick_device_type(cfg.training.device)
+    attention = resolve_attention(cfg.model.attention, cfg.compile.mode != "none", device_type)
+    if attention == "flex" and device_type != "cuda":
+        raise UserError(
+            f"model.attention = 'flex' needs CUDA (torch {torch.__version__} has no flex_attention backward "
+            f"on {device_type}); use 'auto' or 'sdpa'"
+        )
+    changes: dict[str, Any] = {"max_seq_len": max_seq_len, "attention": attention}
     if cfg.model.n_layers:
         changes["n_layers"] = cfg.model.n_layers
     args = dataclasses.replace(args, **changes)
@@ -39,25 +48,6 @@ def model_args_for(cfg: Config, tokenizer_words: int | None) -> LlamaArgs:
 def build_meta_model(args: LlamaArgs) -> Transformer:
     with torch.device("meta"):
         return Transformer(args)
-
-
-def float8_config(cfg: Config) -> Any:
-    from float8 import Float8Config
-
-    f = cfg.float8
-    return Float8Config(
-        scaling=f.scaling, emulate=f.emulate, fsdp_float8_all_gather=f.fsdp_float8_all_gather and f.scaling == "tensorwise",
-        filter_fqns=list(f.filter_fqns), min_features=f.min_features,
-    )
-
-
-def convert_float8(model: nn.Module, cfg: Config) -> Any:
-    """Swap eligible linears for float8 linears (before any parallelism); None when float8 is off."""
-    if not cfg.float8.enabled:
-        return None
-    from float8 import convert_to_float8_training
-
-    return convert_to_float8_training(model, config=float8_config(cfg))
 
 
 def init_weights(model: nn.Module, args: LlamaArgs, cfg: Config, device: torch.device) -> None:

@@ -8,6 +8,8 @@ TP comes first so compile traces the DTensor-sharded block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,27 +28,28 @@ from trainer.config import Config
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def float8_tp_styles_compile_correctly(cfg: Config) -> bool:
-    """False where torch miscompiles the float8 TP styles: torch 2.11 with float32 parameters.
+@dataclass(frozen=True)
+class TPStyles:
+    """The styles `apply_tp` builds each block's plan from (float8 ones: trainer/float8_training.py).
 
-    There a TP=2 float8 block compiled per block got a step-1 grad norm of 13.10 against
-    17.87 eager (CPU, gloo); bf16 parameters, torch 2.13, and the plain TP styles with the
-    same float8 linears are right.
+    local_inputs: the module-input style hands local tensors to the colwise linears (the
+    float8 gathers do, float8/tp.py), so the module inputs use `use_local_output=True`.
     """
-    if cfg.compile.mode == "none" or cfg.training.mixed_precision_param != "float32":
-        return True
-    return tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+
+    colwise: type[ColwiseParallel]
+    rowwise: type[RowwiseParallel]
+    prepare_input: type[PrepareModuleInput]
+    local_inputs: bool = False
 
 
-def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
+PLAIN_TP_STYLES = TPStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+
+
+def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg: Config, tp_styles: TPStyles) -> nn.Module:
     """Apply TP, AC, compile and FSDP2 to a (meta) LLaMA in the fixed order."""
     tp = mesh["tp"].size()
     if tp > 1:
-        float8_tp = (
-            cfg.float8.enabled and cfg.float8.scaling == "tensorwise" and cfg.parallelism.float8_tensor_parallel
-            and float8_tp_styles_compile_correctly(cfg)
-        )
-        apply_tp(model, mesh["tp"], float8_tp=float8_tp)
+        apply_tp(model, mesh["tp"], tp_styles, loss_parallel=cfg.parallelism.loss_parallel)
     if cfg.activation_checkpoint.mode != "none":
         apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_option)
     if cfg.compile.mode != "none":
@@ -61,23 +64,20 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Mod
     return model
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, styles: TPStyles, loss_parallel: bool) -> None:
     """Megatron-style TP with sequence parallel: activations between blocks are sharded on the sequence dim.
 
-    With tensorwise float8 the float8-aware styles cast before the all-gather, so the
-    activation all-gathers move 1-byte data. The residual stream stays a Shard(1) DTensor
-    (`use_local_output=False` where it is produced): under torch 2.13 a compiled block
+    With the float8-aware `styles` (tensorwise float8) activations are cast before the
+    all-gather, so the activation all-gathers move 1-byte data. The residual stream stays a
+    Shard(1) DTensor (`use_local_output=False` where it is produced): under torch 2.13 a compiled block
     whose input is the embedding's local reduce-scatter output (an AsyncCollectiveTensor)
     drops that input's gradient, which zeroed the embedding gradient.
-    """
-    # The float8 gathers hand local tensors to the float8 colwise linears (float8/tp.py),
-    # hence `use_local_output=float8_tp` on the module inputs below.
-    if float8_tp:
-        from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
-        colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-    else:
-        colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    With `loss_parallel` the logits stay a DTensor sharded on the vocab dim, for the
+    cross-entropy under `torch.distributed.tensor.parallel.loss_parallel` (trainer/loss.py):
+    each rank holds 1/tp of the full-vocab logits and their fp32 upcast instead of all of them.
+    """
+    colwise, rowwise, prepare_input = styles.colwise, styles.rowwise, styles.prepare_input
 
     parallelize_module(
         model,
@@ -88,7 +88,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
             ),
             "norm": SequenceParallel(),
             # The output layer stays high precision (filtered from float8), so plain TP.
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
         },
     )
     for block in model.layers.values():
@@ -96,7 +100,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
             "attention_norm": SequenceParallel(),
             "attention": prepare_input(
                 input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
-                use_local_output=float8_tp,
+                use_local_output=styles.local_inputs,
             ),
             "attention.wq": colwise(),
             "attention.wk": colwise(),
@@ -104,7 +108,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, float8_tp: bool) -> None:
             "attention.wo": rowwise(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
             "feed_forward": prepare_input(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=float8_tp
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=styles.local_inputs
             ),
             "feed_forward.w1": colwise(),
             "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
@@ -134,6 +138,8 @@ def _selective_policy():
     ]
     if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
         ops.append(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+    # model.attention = flex: the attention output is a higher-order op's, not an aten op's.
+    ops.append(torch.ops.higher_order.flex_attention)
     save = set(ops)
 
     def policy(ctx, func, *args, **kwargs):

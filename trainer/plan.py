@@ -7,11 +7,11 @@ import os
 import torch
 
 from models.llama import num_params
-from trainer.advisor import advise
 from trainer.config import Config, check_layout
+from trainer.float8_training import Float8Training
 from trainer.memory_plan import check_plan
 from trainer.metrics import flops_per_token
-from trainer.model_setup import build_meta_model, convert_float8, model_args_for
+from trainer.model_setup import build_meta_model, model_args_for
 from trainer.precision import resolve_param_precision
 
 
@@ -28,14 +28,15 @@ def print_plan(cfg: Config) -> None:
     world = _planned_world_size(cfg)
     dp, tp = check_layout(cfg, world, args.n_heads, args.n_kv_heads)
     model = build_meta_model(args)
-    report = convert_float8(model, cfg)
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
+    float8 = Float8Training.from_config(cfg, device.type)
+    report = float8.convert(model)
     total = num_params(model)
     fpt = flops_per_token(num_params(model, exclude_embedding=True), args.n_layers, args.dim, cfg.training.seq_len)
     t = cfg.training
     tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * dp
-    device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
     params = resolve_param_precision(t.mixed_precision_param, device.type)
-    precision = f"float8 {cfg.float8.scaling}" if cfg.float8.enabled else params.dtype
+    precision = f"float8 {float8.recipe_name}" if float8.recipe_name else params.dtype
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and "WORLD_SIZE" not in os.environ:
         layout += " (dp = -1 takes the rest of the world at launch)"
@@ -50,12 +51,13 @@ def print_plan(cfg: Config) -> None:
         f"  layout            {layout}",
         f"  precision         {precision}; params {params.dtype} ({params.reason}), reduce {t.mixed_precision_reduce}",
         f"  compile           {cfg.compile.mode}",
+        f"  packed attention  {args.attention}",
         f"  activation ckpt   {cfg.activation_checkpoint.mode}"
         + (f" ({cfg.activation_checkpoint.selective_option})" if cfg.activation_checkpoint.mode == "selective" else ""),
     ]
     if report is not None:
         lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
-    notes = advise(cfg, device, report, dp, tp)
+    notes = float8.advice(device, dp, tp)
     # On a host without a GPU, a plan left on training.device = 'auto' is likely meant for a GPU
     # machine: one that cannot fit this host is a warning; a plan for this device is refused.
     planned_elsewhere = device.type == "cpu" and t.device == "auto"

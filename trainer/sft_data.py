@@ -12,7 +12,7 @@ Prompt and reply are tokenized separately (``"[INST] ... [/INST]"`` and
 ``"{reply} "``); SentencePiece never merges across the space between them, so the
 tokens equal Meta's and the reply boundary is exact.
 
-Windows for the data-parallel scheme of ``trainer.data`` are samples (unpacked)
+Windows for the data-parallel scheme of ``trainer.data_windows`` are samples (unpacked)
 or packed rows (``pack=True``), numbered in the per-epoch sample order, which a
 seeded shuffle makes the same for every dp degree.
 """
@@ -20,12 +20,13 @@ seeded shuffle makes the same for every dp degree.
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainer.data import IGNORE_INDEX, BadRow, DataSource, Progress, WindowDataset, skip_warning
+from trainer.data_sft_options import SFTOptions
+from trainer.data_source import BadRow, DataSource, Progress, skip_warning
+from trainer.data_windows import IGNORE_INDEX, WindowDataset
 from trainer.errors import UserError
 from trainer.metrics import warn
 from trainer.tokenizer import Tokenizer
@@ -37,42 +38,6 @@ B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 
 # A conversation: optional system prompt and (user, assistant) turns.
 Dialog = tuple[str | None, list[tuple[str, str]]]
-
-
-@dataclass
-class SFTOptions:
-    """How SFT rows are read, rendered, masked, truncated and batched.
-
-    truncation, for a sample longer than ``seq_len + 1`` tokens:
-      * ``"truncate_prompt"``: keep the BOS and the last ``seq_len`` tokens, so
-        the final assistant reply (with its EOS) stays whole and the oldest
-        context is cut. If the final reply alone is longer than ``seq_len``
-        tokens, the sample is dropped.
-      * ``"drop"``: drop the sample.
-    Truncated and dropped samples are counted in ``stats()`` (``truncated``,
-    ``dropped``); nothing is cut from a final reply.
-    """
-
-    format: str = "auto"  # "auto" | "alpaca" | "chat"
-    instruction_field: str = "instruction"
-    input_field: str = "input"
-    output_field: str = "output"
-    messages_field: str = "messages"
-    train_on: str = "responses"  # "responses" | "all"
-    pack: bool = True
-    truncation: str = "truncate_prompt"  # "truncate_prompt" | "drop"
-    shuffle: bool = True
-
-    def __post_init__(self) -> None:
-        for name, allowed in (
-            ("format", ("auto", "alpaca", "chat")),
-            ("train_on", ("responses", "all")),
-            ("truncation", ("truncate_prompt", "drop")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise UserError(
-                    f"SFT option {name} = '{getattr(self, name)}' is not one of: {', '.join(allowed)}"
-                )
 
 
 def detect_format(row: dict[str, Any], options: SFTOptions) -> str:

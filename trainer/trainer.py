@@ -18,15 +18,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from models.llama import num_params
 from trainer import distributed
-from trainer.advisor import advise
+from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint_context import CheckpointContext
 from trainer.config import Config, check_layout, to_toml
 from trainer.data import build_dataloader
+from trainer.data_exchange import world_exchange
 from trainer.dump import move_previous_records
 from trainer.errors import UserError, reported_in_this_launch
+from trainer.float8_training import Float8Training
+from trainer.loss import cross_entropy_sum, loss_context
 from trainer.memory_plan import check_plan
 from trainer.metrics import (
     MetricsLogger,
@@ -37,13 +40,14 @@ from trainer.metrics import (
     reset_peak_memory,
     warn,
 )
-from trainer.model_setup import build_meta_model, convert_float8, model_args_for
+from trainer.model_setup import build_meta_model, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize_llama
 from trainer.precision import resolve_param_precision
 from trainer.profiling import StepProfiler
 from trainer.sft_data import SFTOptions
 from trainer.tokenizer import Tokenizer
+from trainer.validation import Validator
 
 
 @dataclasses.dataclass
@@ -69,14 +73,12 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def sft_options(cfg: Config) -> SFTOptions | None:
-    if cfg.data.kind != "sft":
-        return None
-    d = cfg.data
-    return SFTOptions(
-        format=d.sft_format, instruction_field=d.instruction_field, input_field=d.input_field,
-        output_field=d.output_field, messages_field=d.messages_field, train_on=d.train_on, pack=d.pack,
-        truncation=d.truncation, shuffle=d.shuffle,
-    )
+    return SFTOptions.from_config(cfg.data) if cfg.data.kind == "sft" else None
+
+
+def _accuracy_text(validation: dict[str, float]) -> str:
+    accuracy = validation.get("validation/accuracy")
+    return "" if accuracy is None else f"  accuracy {accuracy:.4f}"
 
 
 class Trainer:
@@ -96,6 +98,7 @@ class Trainer:
         self.model_args = model_args_for(cfg, self.tokenizer.n_words)
         dp, tp = check_layout(cfg, distributed.planned_world_size(), self.model_args.n_heads, self.model_args.n_kv_heads)
         self.dp, self.tp = dp, tp
+        self.vocab_sharded_logits = tp > 1 and cfg.parallelism.loss_parallel
         self.dist = distributed.init_distributed(device_type)
         self.device = self.dist.device
         self.is_main = self.dist.is_main
@@ -106,25 +109,30 @@ class Trainer:
         self.mesh = distributed.build_mesh(device_type, dp, tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()
 
-        self.dataloader = build_dataloader(
-            kind=cfg.data.kind, path=cfg.data.path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
-            batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=dp, seed=cfg.training.seed,
-            text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
-            bad_rows=cfg.data.bad_rows, verbose=self.is_main,
-        )
+        self.dataloader = self._loader(cfg.data.path, cfg.data.num_workers)
+        self.validator = None
+        if cfg.validation.enable:
+            # No workers: the loader restarts for every evaluation and reads only `steps` batches.
+            self.validator = Validator(
+                cfg.validation, self._loader(cfg.validation.path, 0), cfg.training.steps, device=self.device,
+                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
+                accuracy=cfg.data.kind == "sft",
+            )
 
         model = build_meta_model(self.model_args)
-        self.float8_report = convert_float8(model, cfg)
+        # Float8 off gives a no-op seam: nothing below asks whether float8 is on.
+        self.float8 = Float8Training.from_config(cfg, device_type)
+        self.float8.convert(model)
         self.flops_per_token = flops_per_token(
             num_params(model, exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
             cfg.training.seq_len,
         )
         self.n_params = num_params(model)
-        # Before any weight is allocated: advise() refuses float8 on GPUs without float8 GEMMs.
-        self.advice = advise(cfg, self.device, self.float8_report, dp, tp)
+        # Before any weight is allocated: the advice refuses float8 on GPUs without float8 GEMMs.
+        self.advice = self.float8.advice(self.device, dp, tp)
         if self.param_precision.warning:
             self.advice.insert(0, self.param_precision.warning)
-        self.model = parallelize_llama(model, self.mesh, cfg)
+        self.model = parallelize_llama(model, self.mesh, cfg, self.float8.tp_styles())
         self._materialize()
 
         self.optimizer = build_optimizer(self.model, cfg.optimizer, device_type)
@@ -132,12 +140,24 @@ class Trainer:
         self.state = TrainState()
         self.device_name, self.peak_flops = gpu_bf16_peak_flops(self.device)
 
-        from trainer.checkpoint import CheckpointManager
-
-        self.checkpointer = CheckpointManager(self)
+        self.checkpointer = CheckpointManager(
+            model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
+            train_state=self.state, context=CheckpointContext.for_run(cfg, self.model_args, self.dist, dp, tp),
+        )
         self._stop_requested = False
 
     # -- setup helpers -------------------------------------------------------
+
+    def _loader(self, path: str, num_workers: int):
+        """The data loader for `path` (training or held-out data) with this run's data settings."""
+        cfg = self.cfg
+        return build_dataloader(
+            kind=cfg.data.kind, path=path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
+            batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=self.dp, seed=cfg.training.seed,
+            text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
+            bad_rows=cfg.data.bad_rows, num_workers=num_workers, exchange=world_exchange(),
+            verbose=self.is_main,
+        )
 
     def _materialize(self) -> None:
         """Allocate the sharded weights and initialise them identically for any layout."""
@@ -149,13 +169,13 @@ class Trainer:
         if self.cfg.job.run_name:
             return self.cfg.job.run_name
         short = {"bfloat16": "bf16", "float32": "fp32"}[self.cfg.training.mixed_precision_param]
-        precision = self.cfg.float8.scaling if self.cfg.float8.enabled else short
+        precision = self.float8.recipe_name or short
         return f"{self.cfg.model.flavor}-{precision}-{self.cfg.compile.mode}"
 
     def _startup_summary(self) -> None:
         c = self.cfg
         params = f"params {c.training.mixed_precision_param} ({self.param_precision.reason})"
-        precision = f"float8 {c.float8.scaling}, {params}" if c.float8.enabled else params
+        precision = self.float8.describe(params)
         tokens_per_step = c.training.batch_size * c.training.seq_len * c.training.gradient_accumulation_steps * self.dp
         peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
         lines = [
@@ -163,14 +183,13 @@ class Trainer:
             f"model llama2 {c.model.flavor}: {self.n_params:,} params, {self.model_args.n_layers} layers, "
             f"{self.flops_per_token / 1e9:.2f} GFLOP/token",
             f"device {self.device_name} ({peak}) x {self.dist.world_size}; mesh dp={self.dp} tp={self.tp}",
-            f"precision {precision}; compile {c.compile.mode}; activation checkpoint {c.activation_checkpoint.mode}",
+            f"precision {precision}; compile {c.compile.mode}; activation checkpoint {c.activation_checkpoint.mode}; "
+            f"packed attention {self.model_args.attention}",
             f"tokens per step {tokens_per_step:,} (batch {c.training.batch_size} x seq {c.training.seq_len} "
             f"x accum {c.training.gradient_accumulation_steps} x dp {self.dp})",
             f"memory estimate {self.memory.summary()}",
         ]
-        if self.float8_report is not None:
-            lines.append(f"float8: {self.float8_report}")
-        for line in lines:
+        for line in lines + self.float8.summary_lines():
             print(line, flush=True)
 
     # -- the loop ------------------------------------------------------------
@@ -183,11 +202,7 @@ class Trainer:
 
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
-        logits = self.model(batch["input_ids"], **kwargs)
-        labels = batch["labels"]
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=-100, reduction="sum"
-        )
+        return cross_entropy_sum(self.model(batch["input_ids"], **kwargs), batch["labels"])
 
     def train_step(
         self, micro_batches: list[dict[str, torch.Tensor]], timer: StepTimer
@@ -215,8 +230,9 @@ class Trainer:
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == last)
-            loss_sum = self._loss_sum(mb)
-            (loss_sum * loss_scale).backward()
+            with loss_context(self.vocab_sharded_logits):
+                loss_sum = self._loss_sum(mb)
+                (loss_sum * loss_scale).backward()
             loss_total += loss_sum.detach().double()
         dist.all_reduce(loss_total, group=dp_group)
         t_backward = timer.mark()
@@ -231,10 +247,8 @@ class Trainer:
             self.optimizer.step()
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if applied and cfg.float8.enabled and cfg.float8.fsdp_float8_all_gather:
-            from float8 import precompute_float8_scales_for_fsdp
-
-            precompute_float8_scales_for_fsdp(self.model)
+        if applied:
+            self.float8.post_optimizer_step(self.model)
         return loss, norm, applied, t_backward
 
     def _skip_or_stop(self, step: int, loss: float, grad_norm: float, in_a_row: int) -> None:
@@ -260,13 +274,14 @@ class Trainer:
     def _stop_on_data_error(self, error: UserError, first_step: int) -> None:
         """Save the last completed step, then stop naming the step whose batches hit the bad row.
 
-        Every rank reads the whole stream, so all ranks meet the row together and save together.
+        Every rank learns of each row in the same exchange round (trainer/data.py), so all ranks meet
+        the row together and save together.
         """
         step = self.state.step
         if not self.cfg.checkpoint.enable:
             saved = "no checkpoint (checkpointing disabled)"
         elif step >= first_step:
-            self.checkpointer.maybe_save(force=True)
+            self.checkpointer.maybe_save(self.data_state, force=True)
             saved = f"checkpoint of step {step} saved"
         else:
             saved = "no checkpoint saved (no step completed in this run)"
@@ -359,7 +374,16 @@ class Trainer:
                     skipped_total += 1
                     skipped_in_a_row += 1
                     self._skip_or_stop(step, loss, grad_norm, skipped_in_a_row)
-                if applied and (step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps):
+                validation = {}
+                if applied and self.validator is not None and self.validator.due(step):
+                    validation = self.validator.evaluate(self.model)
+                    if self.is_main:
+                        print(f"validation step {step}: loss {validation['validation/loss']:.4f}  perplexity "
+                              f"{validation['validation/perplexity']:.2f}{_accuracy_text(validation)}  "
+                              f"({validation['validation/time_s']:.1f}s)", flush=True)
+                if applied and (
+                    step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps or validation
+                ):
                     step_time = t_end - t_start
                     tps = tokens_per_gpu / step_time
                     tflops = tps * self.flops_per_token / 1e12
@@ -371,7 +395,7 @@ class Trainer:
                         "fwd_bwd_time_s": timer.seconds(t_launch, t_backward),
                         "optim_time_s": timer.seconds(t_backward, t_done),
                         **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
-                        "skipped_steps": skipped_total, **self._data_stats(),
+                        "skipped_steps": skipped_total, **self._data_stats(), **validation,
                     }
                     done = step - first_step + 1
                     eta = (time.perf_counter() - train_start) / done * (cfg.training.steps - step)
@@ -380,7 +404,7 @@ class Trainer:
                     self._stop_on_data_error(data_error, first_step)
                 stop = self._stop_everywhere()
                 step = self.state.step
-                self.checkpointer.maybe_save(force=stop or step == cfg.training.steps)
+                self.checkpointer.maybe_save(self.data_state, force=stop or step == cfg.training.steps)
                 if stop:
                     if self.is_main:
                         saved = "checkpoint saved" if cfg.checkpoint.enable else "no checkpoint (checkpointing disabled)"

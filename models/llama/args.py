@@ -23,6 +23,10 @@ class LlamaArgs:
     # torchtitan's depth init: output projections of layer i get std 0.02 / sqrt(2 (i + 1))
     # instead of one std for all layers, 0.02 / sqrt(2 n_layers).
     depth_init: bool = True
+    # Kernel for packed samples (document_ids): "sdpa" with a dense (B, 1, S, S) mask, or
+    # "flex" (flex_attention with a block-sparse mask). Unpacked batches always use SDPA's
+    # causal kernel. Not part of the weights: checkpoints load whatever this is.
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -33,6 +37,8 @@ class LlamaArgs:
             raise ValueError(
                 f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
             )
+        if self.attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be 'sdpa' or 'flex', got {self.attention!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from .args import LlamaArgs
+from .attention import document_block_mask, document_causal_mask, flex_document_attention
 
 
 class RMSNorm(nn.Module):
@@ -61,14 +63,6 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     )
 
 
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 1, S, S) boolean SDPA mask: a token sees earlier tokens of its own document only."""
-    seqlen = document_ids.shape[1]
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=document_ids.device).tril()
-    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
-    return (causal & same_doc).unsqueeze(1)
-
-
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -81,20 +75,30 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def project_qkv(
+        self, x: torch.Tensor, rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, S, dim) -> q (B, S, H, D), k and v (B, S, H_kv, D), q and k rotated."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        q, k = apply_rotary_emb(q, rope), apply_rotary_emb(k, rope)
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        # No mask lets SDPA pick the flash kernel; a document mask needs the masked kernels.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None
-        )
+        return apply_rotary_emb(q, rope), apply_rotary_emb(k, rope), v
+
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None = None
+    ) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q, k, v = self.project_qkv(x, rope)
+        if isinstance(attn_mask, BlockMask):
+            out = flex_document_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask)
+        else:
+            k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            # No mask lets SDPA pick the flash kernel; a document mask needs the masked kernels.
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None
+            )
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -134,7 +138,7 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, rope: torch.Tensor, attn_mask: torch.Tensor | BlockMask | None = None
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, attn_mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -187,13 +191,20 @@ class Transformer(nn.Module):
         """tokens (B, S) -> logits (B, S, vocab_size).
 
         position_ids (B, S): RoPE positions, for packed samples whose positions restart.
-        document_ids (B, S): restrict attention to earlier tokens of the same document.
+        document_ids (B, S): restrict attention to earlier tokens of the same document, through
+        a dense SDPA mask or flex_attention's block mask (``model_args.attention``).
         """
         if position_ids is None:
             rope = self.rope_cache[: tokens.shape[1]]
         else:
             rope = self.rope_cache[position_ids]
-        attn_mask = None if document_ids is None else document_causal_mask(document_ids)
+        attn_mask: torch.Tensor | BlockMask | None = None
+        if document_ids is not None:
+            # Built once here, outside the compiled blocks, and shared by all of them.
+            if self.model_args.attention == "flex":
+                attn_mask = document_block_mask(document_ids)
+            else:
+                attn_mask = document_causal_mask(document_ids)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, attn_mask)

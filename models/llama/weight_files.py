@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .args import LlamaArgs
-from .weights import (
+from .weight_conversion import (
     StateDict,
     WeightsError,
     args_from_hf_config,

@@ -1,6 +1,6 @@
 """Map LLaMA-2 state dicts and configs between Hugging Face, Meta and this model.
 
-Pure functions on dicts of tensors, no file access (see ``weights_io``), so any container
+Pure functions on dicts of tensors, no file access (see ``weight_files``), so any container
 format (safetensors, torch.save, DCP) can sit in front of them. Our keys are Meta's keys.
 """
 

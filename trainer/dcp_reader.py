@@ -1,18 +1,15 @@
-"""Model weights outside the training state: DCP reading without pickles, initial weights, exports.
+"""Reading DCP checkpoints without pickles: metadata, model keys and shapes, model-only loads.
 
 DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` and its default
 planner loads non-tensor ("bytes") entries with ``torch.load(weights_only=False)``. Our
-checkpoints hold only tensors (non-tensor state is JSON, see ``trainer/checkpoint.py``):
+checkpoints hold only tensors (non-tensor state is JSON, see ``trainer/checkpoint_schema.py``):
 :class:`SafeFileSystemReader` unpickles the metadata through an allowlist and refuses a
 checkpoint with any non-tensor entry, so reading a checkpoint never runs code from the file.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
-import shutil
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,18 +17,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from models.llama import LlamaArgs
-from models.llama.weights import WeightsError, meta_params_from_args
-from models.llama.weights_io import read_weights
 from trainer.errors import UserError
 
-# Keys of the model inside our DCP checkpoints (see trainer/checkpoint.py). Model-only
+# Keys of the model inside our DCP checkpoints (see trainer/checkpoint_state.py). Model-only
 # DCP checkpoints (e.g. torchtitan's seed checkpoints) store the model keys bare.
 DCP_MODEL_PREFIXES = ("app.model.", "model.", "")
 
@@ -175,32 +168,3 @@ def load_dcp_model(model: nn.Module, path: str | Path, what: str = "checkpoint.i
     except (Exception, CheckpointException) as e:
         raise UserError(f"{what} {path} cannot be loaded: {describe_error(e)}") from None
     set_model_state_dict(model, state)
-
-
-def load_full_state_dict(path: str, fmt: str, args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """A full (unsharded) state dict in our names from hf / meta / torch weights."""
-    try:
-        _, state_dict = read_weights(fmt, path, args)
-    except WeightsError as e:
-        raise UserError(f"checkpoint.initial_load_path: {e}") from None
-    return state_dict
-
-
-def export_model(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: Path, dtype: torch.dtype) -> None:
-    """`out/model.safetensors` (our names, `dtype`) and `out/params.json` (Meta's params).
-
-    Written next to `out` and renamed into place, so `out` is either the old or the new export.
-    """
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    tensors = {k: v.to(dtype).contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "params.json").write_text(json.dumps(meta_params_from_args(args), indent=2) + "\n")
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        shutil.rmtree(old)
-    os.replace(tmp, out)

@@ -1,0 +1,123 @@
+"""Float8 training recipes as data: how each operand of a linear's three GEMMs is cast.
+
+A linear ``out = x @ w.T`` (x: tokens x in, w: out x in) runs three GEMMs, each
+``lhs @ rhs`` summing over one named axis::
+
+    GEMM          computes                         lhs         rhs     sums over
+    output        out         = x @ w.T            x           w.T     "in"
+    grad_input    grad_x      = grad_out @ w       grad_out    w       "out"
+    grad_weight   grad_w      = grad_out.T @ x     grad_out.T  x       "tokens"
+
+A recipe gives each of the six operands a `Cast`; `float8/linear.py` interprets it. A new
+recipe is a new entry of `RECIPES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from float8.scaling import E4M3, E5M2
+
+
+@dataclass(frozen=True)
+class Cast:
+    """How one GEMM operand is cast.
+
+    dtype: the float8 dtype (E4M3, E5M2), or None: the operand stays in high precision.
+    amax_over: None for one scale per tensor; else one scale per row, from the amax over
+        this axis, which must be the axis its GEMM sums over (only there does a row's
+        scale factor out of the sum).
+    pow2: scales rounded down to a power of two (exact scaling; only float8 rounding loses bits).
+    """
+
+    dtype: torch.dtype | None
+    amax_over: str | None = None
+    pow2: bool = False
+
+
+HIGH_PRECISION = Cast(None)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """The casts of a GEMM's two operands, and whether cuBLAS may accumulate in lower precision."""
+
+    lhs: Cast
+    rhs: Cast
+    fast_accum: bool = False
+
+    @property
+    def float8(self) -> bool:
+        return self.lhs.dtype is not None
+
+    @property
+    def rowwise(self) -> bool:
+        """Per-row scales on either operand: the GEMM needs the row-wise scaled kernel."""
+        return self.float8 and (self.lhs.amax_over is not None or self.rhs.amax_over is not None)
+
+
+@dataclass(frozen=True)
+class Float8Recipe:
+    """The casts of the output, grad_input and grad_weight GEMMs of a float8 linear."""
+
+    output: Gemm
+    grad_input: Gemm
+    grad_weight: Gemm
+
+    def __post_init__(self) -> None:
+        for name, axis in (("output", "in"), ("grad_input", "out"), ("grad_weight", "tokens")):
+            gemm: Gemm = getattr(self, name)
+            if (gemm.lhs.dtype is None) != (gemm.rhs.dtype is None):
+                raise ValueError(f"{name}: both operands float8 or both high precision (no mixed GEMM kernels)")
+            for side in ("lhs", "rhs"):
+                over = getattr(gemm, side).amax_over
+                if over is not None and over != axis:
+                    raise ValueError(f"{name}.{side}: per-row scales must be over {axis!r}, the axis it sums over, got {over!r}")
+
+    @property
+    def rowwise_gemms(self) -> bool:
+        """Whether any GEMM needs the row-wise scaled float8 kernel."""
+        return self.output.rowwise or self.grad_input.rowwise or self.grad_weight.rowwise
+
+    @property
+    def weight_gatherable_in_float8(self) -> bool:
+        """Both GEMMs that read the weight take it as FSDP's float8 all-gather makes it
+        (float8/fsdp.py): e4m3, one scale per tensor, not rounded to a power of two."""
+        return self.output.rhs == self.grad_input.rhs == Cast(E4M3)
+
+    @property
+    def activations_gatherable_in_float8(self) -> bool:
+        """The float8 TP styles (float8/tp.py) gather activations as e4m3 and gradients as e5m2
+        with one scale per tensor; only casts that are the same reproduce the gathered values."""
+        return (
+            self.output.lhs == self.grad_weight.rhs == Cast(E4M3)
+            and self.grad_input.lhs == self.grad_weight.lhs == Cast(E5M2)
+        )
+
+
+def _rows(dtype: torch.dtype, over: str) -> Cast:
+    return Cast(dtype, amax_over=over, pow2=True)
+
+
+RECIPES: dict[str, Float8Recipe] = {
+    # One scale per tensor: the cheapest casts; e5m2 keeps the gradients' range.
+    "tensorwise": Float8Recipe(
+        output=Gemm(Cast(E4M3), Cast(E4M3), fast_accum=True),
+        grad_input=Gemm(Cast(E5M2), Cast(E4M3)),
+        grad_weight=Gemm(Cast(E5M2), Cast(E4M3)),
+    ),
+    # One power-of-two scale per row along each GEMM's summed axis, all e4m3: robust to outliers.
+    "rowwise": Float8Recipe(
+        output=Gemm(_rows(E4M3, "in"), _rows(E4M3, "in"), fast_accum=True),
+        grad_input=Gemm(_rows(E4M3, "out"), _rows(E4M3, "out")),
+        grad_weight=Gemm(_rows(E4M3, "tokens"), _rows(E4M3, "tokens")),
+    ),
+    # rowwise, with the weight gradient in high precision.
+    "rowwise_gw_hp": Float8Recipe(
+        output=Gemm(_rows(E4M3, "in"), _rows(E4M3, "in"), fast_accum=True),
+        grad_input=Gemm(_rows(E4M3, "out"), _rows(E4M3, "out")),
+        grad_weight=Gemm(HIGH_PRECISION, HIGH_PRECISION),
+    ),
+}

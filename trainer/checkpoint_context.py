@@ -1,0 +1,73 @@
+"""What checkpointing needs to know about the run, besides the objects it saves and restores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from models.llama import LlamaArgs
+from trainer.checkpoint_schema import schedule_values
+from trainer.config import CheckpointConfig, Config, OptimizerConfig
+from trainer.distributed import DistInfo
+
+
+class TrainProgress(Protocol):
+    """The loop's counters (trainer.trainer.TrainState): saved in extra.json, restored on resume."""
+
+    step: int
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointContext:
+    """The run's checkpoint settings, its ranks and layout, and the config that a resume reconciles.
+
+    `optimizer` is the run's optimizer config: a resume writes the checkpoint's hyperparameters
+    into it, so the config.toml written afterwards records the values in force.
+    """
+
+    config: CheckpointConfig
+    folder: Path
+    rank: int
+    world_size: int
+    device: torch.device
+    dp: int
+    tp: int
+    global_batch: int
+    training_steps: int
+    schedule: dict[str, Any]
+    optimizer: OptimizerConfig
+    model_args: LlamaArgs
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def for_run(cls, cfg: Config, model_args: LlamaArgs, ranks: DistInfo, dp: int, tp: int) -> CheckpointContext:
+        folder = Path(cfg.checkpoint.folder)
+        t = cfg.training
+        return cls(
+            config=cfg.checkpoint, folder=folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder,
+            rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, dp=dp, tp=tp,
+            global_batch=t.batch_size * dp * t.gradient_accumulation_steps, training_steps=t.steps,
+            schedule=schedule_values(cfg), optimizer=cfg.optimizer, model_args=model_args,
+        )
+
+
+def first_problem(problem: str, world_size: int) -> str:
+    """The first rank's non-empty `problem`, on every rank ('' when none has one).
+
+    A collective: every rank calls it whatever happened, so a rank-local failure stops every
+    rank together instead of leaving the others waiting in the next collective.
+    """
+    problems = [""] * world_size
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), "")

@@ -1,0 +1,73 @@
+"""Initial model weights for a fresh run (``checkpoint.initial_load_path``): dcp, hf, meta or torch files.
+
+Only the model is loaded, never optimizer state. DCP folders are read sharded by every rank;
+the other formats are read whole by rank 0 and broadcast, so rank 0 alone holds the full
+state dict in host memory.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from models.llama import LlamaArgs
+from models.llama.weight_conversion import WeightsError
+from models.llama.weight_files import read_weights
+from trainer.dcp_reader import check_model_keys, load_dcp_model
+from trainer.errors import UserError
+
+
+def load_full_state_dict(path: str, fmt: str, args: LlamaArgs) -> dict[str, torch.Tensor]:
+    """A full (unsharded) state dict in our names from hf / meta / torch weights."""
+    try:
+        _, state_dict = read_weights(fmt, path, args)
+    except WeightsError as e:
+        raise UserError(f"checkpoint.initial_load_path: {e}") from None
+    return state_dict
+
+
+def load_initial_weights(
+    model: nn.Module, args: LlamaArgs, path: str, fmt: str, rank: int, world_size: int
+) -> None:
+    """Load `path` (in format `fmt`) into the (sharded) `model`; a collective of every rank."""
+    if not Path(path).exists():
+        raise UserError(f"checkpoint.initial_load_path not found: {path}")
+    start = time.perf_counter()
+    if fmt == "dcp":
+        load_dcp_model(model, path)
+    else:
+        # A problem found by rank 0 must stop every rank, so it travels in place of the shapes.
+        full_sd: dict[str, torch.Tensor] = {}
+        box: list[Any] = [None]
+        if rank == 0:
+            try:
+                full_sd = load_full_state_dict(path, fmt, args)
+                box = [{k: v.shape for k, v in full_sd.items()}]
+            except UserError as e:
+                box = [str(e)]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise UserError(box[0])
+        expected = {k: v.shape for k, v in get_model_state_dict(model).items()}
+        check_model_keys(expected, box[0], f"checkpoint.initial_load_path {path}")
+        set_model_state_dict(
+            model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+    seconds = time.perf_counter() - start
+    # ru_maxrss is KiB on Linux: the peak so far, which shows what rank 0's full copy cost.
+    peaks: list[Any] = [None] * world_size
+    dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2)
+    if rank == 0:
+        print(f"loaded initial weights ({fmt}) from {path} in {seconds:.1f}s; "
+              f"peak host memory per rank: {', '.join(f'{p:.1f}' for p in peaks)} GiB", flush=True)

@@ -1,0 +1,36 @@
+"""The training loss: cross-entropy summed over target tokens, for whole or vocab-sharded logits.
+
+With tensor parallelism and `parallelism.loss_parallel` the output projection leaves the
+logits as a DTensor sharded on the vocab dim (trainer/parallelize.py). Under
+`torch.distributed.tensor.parallel.loss_parallel` the cross-entropy then reduces the
+softmax statistics across the TP ranks instead of gathering (batch x seq x vocab) logits
+on every rank; its backward must run under the same context, hence `loss_context`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+IGNORE_INDEX = -100
+
+
+def loss_context(vocab_sharded: bool) -> contextlib.AbstractContextManager:
+    """The context the loss and its backward run in: loss_parallel for vocab-sharded logits."""
+    return loss_parallel() if vocab_sharded else contextlib.nullcontext()
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the token losses of (B, S, vocab) logits against (B, S) labels, skipping IGNORE_INDEX.
+
+    Computed in fp32. Vocab-sharded DTensor logits must come under `loss_context(True)`;
+    the result is a plain scalar tensor either way.
+    """
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -1,0 +1,80 @@
+"""Held-out loss, perplexity and (SFT) response-token accuracy, evaluated during training.
+
+The evaluation runs the training model as it is laid out (FSDP, TP, compiled blocks, float8)
+in eval mode, with grad mode on but no backward: the compiled blocks then run the code compiled
+for training instead of compiling a second, no-grad version, and torch (2.11 and 2.13) cannot
+run a no-grad forward of tensor-parallel compiled blocks ("'Tensor' object has no attribute
+'elem'"). Each batch's graph is freed with its loss, so the peak is a training forward's. Its batches come from a loader over `validation.path` built
+like the training loader, restarted for every evaluation: the same global batches each time,
+split over DP ranks like training batches, so the numbers do not depend on the DP degree.
+Sums are reduced over the DP ranks; TP ranks compute the same values.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.config import ValidationConfig
+from trainer.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
+
+
+class Validator:
+    """Evaluates `cfg.steps` batches of `loader` when `due(step)`."""
+
+    def __init__(
+        self, cfg: ValidationConfig, loader: Iterable[dict[str, torch.Tensor]], last_step: int, *,
+        device: torch.device, dp_group: dist.ProcessGroup, vocab_sharded_logits: bool, accuracy: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.loader = loader
+        self.last_step = last_step
+        self.device = device
+        self.dp_group = dp_group
+        self.vocab_sharded_logits = vocab_sharded_logits
+        self.accuracy = accuracy
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.freq == 0 or step == self.last_step
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """validation/loss, validation/perplexity, validation/accuracy (SFT) and validation/time_s."""
+        start = time.perf_counter()
+        model.eval()
+        # loss sum, target tokens, correct argmax predictions: float64 keeps the counts exact.
+        totals = torch.zeros(3, device=self.device, dtype=torch.float64)
+        batches = iter(self.loader)
+        try:
+            for _ in range(self.cfg.steps):
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(batches).items()}
+                totals += self._sums(model, batch)
+        finally:
+            model.train()
+        dist.all_reduce(totals, group=self.dp_group)
+        loss_sum, n_tokens, correct = totals.tolist()
+        loss = loss_sum / max(n_tokens, 1.0)
+        record = {"validation/loss": loss, "validation/perplexity": math.exp(min(loss, 700.0))}
+        if self.accuracy:
+            record["validation/accuracy"] = correct / max(n_tokens, 1.0)
+        record["validation/time_s"] = time.perf_counter() - start
+        return record
+
+    def _sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+        labels = batch["labels"]
+        targets = labels != IGNORE_INDEX
+        with loss_context(self.vocab_sharded_logits):
+            logits = model(batch["input_ids"], **kwargs)
+            loss_sum = cross_entropy_sum(logits, labels)
+        correct = torch.zeros((), device=self.device)
+        if self.accuracy:
+            # Vocab-sharded logits are gathered for the argmax: only at evaluation, without grads.
+            whole = (logits.full_tensor() if isinstance(logits, DTensor) else logits).detach()
+            correct = ((whole.argmax(-1) == labels) & targets).sum()
+        return torch.stack([loss_sum.detach().double(), targets.sum().double(), correct.double()])
