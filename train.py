@@ -18,7 +18,9 @@ warnings.filterwarnings("ignore", message="DTensor random operators may not have
 
 def main(argv: list[str] | None = None) -> int:
     from trainer.config import build_config
+    from trainer.log import route_library_warnings
 
+    route_library_warnings()
     try:
         cfg = build_config(argv)
         if cfg.job.dry_run:

@@ -21,7 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from float8 import Float8Config, Float8Linear
+from float8 import RECIPES, Float8Config, Float8Linear
 
 THRESHOLDS = (25.0, 20.0, 20.0)
 
@@ -59,7 +59,7 @@ def main() -> int:
                 ("compiled-unfused", "inductor", False)]
     failures = 0
     print(f"{'scaling':14} {'variant':20} {'out dB':>8} {'grad_x dB':>10} {'grad_w dB':>10}")
-    for scaling in ("tensorwise", "rowwise", "rowwise_gw_hp"):
+    for scaling in RECIPES:
         for name, backend, fused in variants:
             torch._dynamo.reset()
             config = Float8Config(scaling=scaling, compile_casts_in_eager="cuda" if fused else "never")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,10 @@ for _path in (ROOT, ROOT / "scripts"):
 from profile_summary import TraceError, load_trace  # noqa: E402
 from profile_summary import summarize as summarize_trace  # noqa: E402
 
-PRECISIONS = ("bf16", "tensorwise", "rowwise", "rowwise_gw_hp")
-COMPILE_MODES = ("none", "block", "model")
+from trainer.config import CompileMode, Float8Scaling  # noqa: E402
+
+PRECISIONS = ("bf16", *typing.get_args(Float8Scaling))
+COMPILE_MODES = typing.get_args(CompileMode)
 BASELINE = "bf16"
 
 

@@ -114,11 +114,16 @@ def test_short_sft_run_then_eval_and_generate(tmp_path):
     rows = read_metrics(tmp_path)
     loss = {r["step"]: r["loss"] for r in rows}
     assert loss[30] < loss[1] / 2, loss
-    assert rows[-1]["data/samples"] > 0 and rows[-1]["data/truncated"] >= 0 and rows[-1]["data/dropped"] >= 0
+    # 528 samples packed into 30 x 4 rows of 128; the synthetic tasks all fit, none cut or dropped.
+    assert (rows[-1]["data/samples"], rows[-1]["data/truncated"], rows[-1]["data/dropped"]) == (528, 0, 0)
+    # debug_sft.toml validates on data/sft/eval.jsonl at the last step. After 30 steps about half
+    # the reply tokens are right (0.5253 bf16, 0.5231 float32 on AVX2, measured 2026-12-01) but no
+    # whole reply yet: exact match needs the config's 1000 steps (0.9250, measured by hand).
+    assert rows[-1]["step"] == 30 and rows[-1]["validation/accuracy"] >= 0.45, rows[-1]
 
     trained = run_script("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24")
     assert f"weights: {tmp_path}/checkpoints/step-30" in trained.stdout
-    exact_match(trained)
+    assert exact_match(trained) == 0.0
 
     untrained = run_script("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24",
                            "--checkpoint.enable", "false")

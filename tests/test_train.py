@@ -24,10 +24,10 @@ def test_short_run_writes_outputs_and_loss_falls(tmp_path):
         # On a CPU nothing overlaps: the step is forward+backward, optimizer, and reading
         # the next step's batches (a GPU reads them while it runs the step).
         parts = row["data_time_s"] + row["fwd_bwd_time_s"] + row["optim_time_s"]
-        assert row["fwd_bwd_time_s"] > 0 and row["optim_time_s"] > 0 and row["data_time_s"] >= 0
+        assert row["fwd_bwd_time_s"] > 0 and row["optim_time_s"] > 0 and row["data_time_s"] > 0
         assert 0.9 * row["step_time_s"] <= parts <= row["step_time_s"]
     assert rows[-1]["tokens_seen"] == 30 * 4 * 128
-    assert rows[-1]["data/epoch"] >= 0
+    assert rows[-1]["data/epoch"] == 0  # 120 windows of 129 tokens: far less than the shipped corpus
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, [r["loss"] for r in rows]
     assert (dump / "config.toml").read_text().count("[training]") == 1
     # The run is named after the precision `auto` picked for this CPU.

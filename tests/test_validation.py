@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import read_metrics, run_train
 from trainer.config import ValidationConfig
 from trainer.validation import Validator
 
@@ -70,3 +71,61 @@ def test_pretraining_validation_has_no_accuracy(one_process_group):
         device=torch.device("cpu"), dp_group=one_process_group, vocab_sharded_logits=False, accuracy=False,
     )
     assert set(validator.evaluate(TinyLM())) == {"validation/loss", "validation/perplexity", "validation/time_s"}
+
+
+VALIDATED = [
+    "--model.n_layers", "2", "--training.seq_len", "64", "--training.steps", "4", "--metrics.log_freq", "3",
+    "--metrics.enable_tensorboard", "false", "--validation.enable", "true", "--validation.path", "data/heldout",
+    "--validation.freq", "2", "--validation.steps", "2",
+]
+
+
+def _validation(dump) -> dict[int, float]:
+    return {r["step"]: r["validation/loss"] for r in read_metrics(dump) if "validation/loss" in r}
+
+
+@pytest.mark.slow
+def test_validation_loss_is_the_same_across_layouts(tmp_path):
+    """Same weights and held-out batches: the evaluation must not depend on FSDP, TP or compile."""
+    runs = {
+        "single": ([*VALIDATED, "--training.batch_size", "8"], 1),
+        "fsdp": ([*VALIDATED, "--training.batch_size", "4"], 2),
+        "tp_compiled": ([*VALIDATED, "--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+                         "--compile.mode", "block"], 2),
+    }
+    losses = {}
+    for name, (args, nproc) in runs.items():
+        result = run_train([*args, "--job.dump_folder", str(tmp_path / name)], nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = _validation(tmp_path / name)
+        # Logged at every evaluation step, also where log_freq would not log.
+        assert sorted(losses[name]) == [2, 4], losses[name]
+        assert result.stdout.count("validation step ") == 2, result.stdout[-2000:]
+    for name in ("fsdp", "tp_compiled"):
+        for step in (2, 4):
+            assert losses[name][step] == pytest.approx(losses["single"][step], rel=1e-2), (name, step, losses)
+    assert losses["single"][4] < losses["single"][2], "held-out loss must fall while training"
+
+
+def test_sft_validation_reports_response_accuracy(tmp_path):
+    result = run_train([
+        "--config", "configs/debug_sft.toml", *VALIDATED[:-6], "--validation.path", "data/sft/eval.jsonl",
+        "--validation.freq", "4", "--validation.steps", "1", "--training.batch_size", "2",
+        "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path),
+    ])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = [r for r in read_metrics(tmp_path) if "validation/loss" in r]
+    assert row["step"] == 4
+    assert row["validation/perplexity"] == pytest.approx(math.exp(row["validation/loss"]), rel=1e-9)
+    # Accuracy of a 4-step model over a vocabulary of 32,000: a fraction, printed as logged.
+    accuracy = row["validation/accuracy"]
+    assert 0 < accuracy < 1
+    assert f"accuracy {accuracy:.4f}" in result.stdout
+
+
+def test_validation_without_a_path_is_one_line(tmp_path):
+    result = run_train(["--validation.enable", "true", "--job.dump_folder", str(tmp_path)])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: validation.enable = true needs validation.path (held-out data in data.path's formats)"
+    ]

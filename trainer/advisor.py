@@ -46,8 +46,9 @@ def advise(
         notes.append("float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only")
     if cfg.compile.mode == "none":
         notes.append(
-            "float8.enabled with compile.mode = 'none': float8 gains nothing in eager mode (LLaMA-2-7B on "
-            "H200: 0.96x bf16 eager, against 1.24x bf16 when compiled per block); set compile.mode = 'block'"
+            "float8.enabled with compile.mode = 'none': eager float8 runs its casts as separate kernels and "
+            "gains little or nothing over bf16 (docs/benchmarks.md, table 'Full LLaMA-2-7B, FSDP2 on 2 H200s'); "
+            "set compile.mode = 'block'"
         )
     tokens = cfg.training.batch_size * cfg.training.seq_len // max(tp_degree, 1)
     if device.type == "cuda" and tokens < MIN_FLOAT8_TOKENS:

@@ -58,7 +58,7 @@ from trainer.dcp_reader import describe_error
 from trainer.errors import UserError
 from trainer.export import export_final
 from trainer.initial_weights import load_initial_weights
-from trainer.metrics import warn
+from trainer.log import info, warn
 
 
 class CheckpointManager:
@@ -148,8 +148,8 @@ class CheckpointManager:
             self._fail_save(step, partial, describe_error(e))
         if self._pending is not None:
             if ctx.is_main:
-                print(f"checkpoint step-{step}: staged in {time.perf_counter() - start:.1f}s, "
-                      "writing in the background", flush=True)
+                info(f"checkpoint step-{step}: staged in {time.perf_counter() - start:.1f}s, "
+                     "writing in the background")
         else:
             self._publish(partial, final, start, step)
         self._last_saved_step = step
@@ -239,7 +239,7 @@ class CheckpointManager:
                 remove(final)
             os.replace(partial, final)
             rotate(self.folder, self.cfg.keep_latest_k, final)
-            print(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s{hashed})", flush=True)
+            info(f"checkpoint saved: {final} ({time.perf_counter() - start:.1f}s{hashed})")
         dist.barrier()
 
     def close(self) -> None:
@@ -259,8 +259,7 @@ class CheckpointManager:
             for stale in leftovers(self.folder):
                 shutil.rmtree(stale, ignore_errors=True)
                 if stale.suffix == ".partial":
-                    print(f"removed the unfinished checkpoint {stale} (left by a run stopped while saving it)",
-                          flush=True)
+                    info(f"removed the unfinished checkpoint {stale} (left by a run stopped while saving it)")
         if path is not None:
             load_checkpoint(path, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                             dataloader=self.dataloader, train_state=self.train_state, context=ctx)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.metrics import warn
+from trainer.log import warn
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

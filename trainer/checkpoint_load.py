@@ -34,7 +34,7 @@ from trainer.dcp_reader import (
     read_dcp_metadata,
 )
 from trainer.errors import UserError
-from trainer.metrics import warn
+from trainer.log import info, warn
 
 
 def load_checkpoint(
@@ -73,7 +73,7 @@ def load_checkpoint(
     _reconcile_config(path, extra, context, train_state.step)
     restore_rng(rng, context.device)
     if context.is_main:
-        print(f"checkpoint loaded: {path} ({time.perf_counter() - start:.1f}s, {verified})", flush=True)
+        info(f"checkpoint loaded: {path} ({time.perf_counter() - start:.1f}s, {verified})")
 
 
 def _verify_checksums(path: Path, context: CheckpointContext) -> str:

@@ -35,6 +35,7 @@ tokenizes the whole stream. SFT data (``trainer.sft_data``) is small, read whole
 front on every rank and tokenized as it is used.
 """
 
+import typing
 import warnings
 from array import array
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ from collections.abc import Iterator
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from trainer.config_schema import DataKind
 from trainer.data_exchange import Exchange, LocalExchange
 from trainer.data_sft_options import SFTOptions
 from trainer.data_sharding import (
@@ -57,11 +59,11 @@ from trainer.data_source import DataSource, Progress, skip_warning
 from trainer.data_windows import IGNORE_INDEX as IGNORE_INDEX  # tests import it from here
 from trainer.data_windows import WindowDataset
 from trainer.errors import UserError
-from trainer.metrics import warn
+from trainer.log import warn
 from trainer.sft_data import SFTDataset
 from trainer.tokenizer import Tokenizer
 
-KINDS = ("pretrain", "sft")
+KINDS = typing.get_args(DataKind)
 BAD_ROWS = ("error", "skip")
 # Local pretraining data up to this size is checked row by row before the first step, so a
 # bad row stops the run before any work. JSON Lines parse at roughly 100 MB/s on one core,

@@ -8,12 +8,15 @@ pretraining (``trainer.data``) and SFT (``trainer.sft_data``).
 import json
 import os
 import time
+import typing
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from trainer.config_schema import DataFormat
 from trainer.errors import UserError
+from trainer.log import info
 
-DATA_FORMATS = ("auto", "jsonl", "parquet", "text")
+DATA_FORMATS = typing.get_args(DataFormat)
 # A long read says how far it got once it has taken PROGRESS_AFTER_S, then every PROGRESS_EVERY_S.
 PROGRESS_AFTER_S = 1.0
 PROGRESS_EVERY_S = 10.0
@@ -51,12 +54,12 @@ class Progress:
             return
         now = time.perf_counter()  # tens of ns, next to microseconds to parse a row
         if now - self.last >= (PROGRESS_EVERY_S if self.printed else PROGRESS_AFTER_S):
-            print(f"{self.what}: at row {rows:,} after {now - self.start:.0f} s", flush=True)
+            info(f"{self.what}: at row {rows:,} after {now - self.start:.0f} s")
             self.last, self.printed = now, True
 
     def done(self, rows: int) -> None:
         if self.printed:
-            print(f"{self.what}: {rows:,} rows in {time.perf_counter() - self.start:.1f} s", flush=True)
+            info(f"{self.what}: {rows:,} rows in {time.perf_counter() - self.start:.1f} s")
 
 
 def skip_warning(name: str, first: str, count: int | None = None) -> str:

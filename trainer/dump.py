@@ -21,7 +21,7 @@ from typing import Any
 
 from trainer.dcp_reader import describe_error
 from trainer.errors import UserError, process_start_time
-from trainer.metrics import warn
+from trainer.log import warn
 
 LOCK_NAME = ".lock"
 # What a fresh run moves into previous-N/ so that it never overwrites an earlier run's records.

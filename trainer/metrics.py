@@ -11,12 +11,13 @@ import json
 import math
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer import log
 
 # Dense bf16 peak per GPU (no sparsity), in FLOP/s.
 _BF16_PEAK = (("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12))
@@ -145,11 +146,10 @@ class MetricsLogger:
         mfu = record.get("mfu_pct")
         mfu_txt = f"  mfu {mfu:5.1f}%" if mfu is not None else ""
         eta_txt = f"  eta {_fmt_eta(eta_s)}" if eta_s is not None else ""
-        print(
+        log.info(
             f"step {step:>6}/{total_steps}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}"
             f"  lr {record['lr']:.2e}  tps {record['tps']:,.0f}{mfu_txt}"
-            f"  mem {record['memory/peak_active_gib']:.2f}GiB  step {record['step_time_s'] * 1000:.0f}ms{eta_txt}",
-            flush=True,
+            f"  mem {record['memory/peak_active_gib']:.2f}GiB  step {record['step_time_s'] * 1000:.0f}ms{eta_txt}"
         )
 
     def close(self) -> None:
@@ -190,6 +190,10 @@ def _dashboard_layout() -> dict[str, dict[str, list[Any]]]:
         "training": {
             "loss": chart(r"loss/loss"), "grad norm": chart(r"loss/grad_norm"), "lr": chart(r"loss/lr"),
         },
+        "validation": {
+            "held-out loss": chart(r"validation/loss"), "perplexity": chart(r"validation/perplexity"),
+            "response-token accuracy (SFT)": chart(r"validation/accuracy"),
+        },
         "time": {"seconds per step": chart(r"time/.*")},
     }
 
@@ -218,7 +222,3 @@ class StepTimer:
         # still be running, and elapsed_time raises on an event that has not completed.
         end.synchronize()
         return start.elapsed_time(end) / 1000
-
-
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)

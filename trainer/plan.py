@@ -9,10 +9,12 @@ import torch
 from models.llama import num_params
 from trainer.config import Config, check_layout
 from trainer.float8_training import Float8Training
+from trainer.log import info
 from trainer.memory_plan import check_plan
 from trainer.metrics import flops_per_token
 from trainer.model_setup import build_meta_model, model_args_for
 from trainer.precision import resolve_param_precision
+from trainer.run_facts import RunFacts
 
 
 def _planned_world_size(cfg: Config) -> int:
@@ -31,23 +33,25 @@ def print_plan(cfg: Config) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
     float8 = Float8Training.from_config(cfg, device.type)
     report = float8.convert(model)
-    total = num_params(model)
-    fpt = flops_per_token(num_params(model, exclude_embedding=True), args.n_layers, args.dim, cfg.training.seq_len)
     t = cfg.training
-    tokens_per_step = t.batch_size * t.seq_len * t.gradient_accumulation_steps * dp
     params = resolve_param_precision(t.mixed_precision_param, device.type)
-    precision = f"float8 {float8.recipe_name}" if float8.recipe_name else params.dtype
+    without_embedding = num_params(model, exclude_embedding=True)
+    facts = RunFacts.for_run(
+        cfg, world, dp, tp, params.dtype, num_params(model),
+        flops_per_token(without_embedding, args.n_layers, args.dim, t.seq_len),
+    )
+    fpt = facts.flops_per_token
+    precision = f"float8 {facts.float8_recipe}" if facts.float8_recipe else params.dtype
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and "WORLD_SIZE" not in os.environ:
         layout += " (dp = -1 takes the rest of the world at launch)"
     lines = [
-        f"dry run: {cfg.model.name} {cfg.model.flavor}",
-        f"  parameters        {total:,} ({num_params(model, exclude_embedding=True):,} without the embedding)",
+        f"dry run: llama2 {cfg.model.flavor}",
+        f"  parameters        {facts.n_params:,} ({without_embedding:,} without the embedding)",
         f"  shape             dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads, "
         f"{args.n_kv_heads} KV heads, FFN {args.hidden_dim}, vocab {args.vocab_size}",
         f"  FLOPs per token   {fpt:,} ({fpt / 1e9:.2f} GFLOP; 6N + 12·L·d·S at seq {t.seq_len})",
-        f"  tokens per step   {tokens_per_step:,} (batch {t.batch_size} x seq {t.seq_len} x accum "
-        f"{t.gradient_accumulation_steps} x dp {dp})",
+        f"  tokens per step   {facts.tokens_per_step_text()}",
         f"  layout            {layout}",
         f"  precision         {precision}; params {params.dtype} ({params.reason}), reduce {t.mixed_precision_reduce}",
         f"  compile           {cfg.compile.mode}",
@@ -67,4 +71,4 @@ def print_plan(cfg: Config) -> None:
         notes.append(too_big.replace("the plan needs", "on this host (no GPU) the plan needs", 1))
     for note in [params.warning, *notes] if params.warning else notes:
         lines.append(f"  warning: {note}")
-    print("\n".join(lines), flush=True)
+    info("\n".join(lines))

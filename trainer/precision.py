@@ -2,7 +2,7 @@
 
 bf16 halves memory traffic and runs at full speed on GPUs and on CPUs with bf16
 instructions (AVX512-BF16, AMX). A CPU without them emulates bf16 matmuls, which then
-run an order of magnitude slower than float32 (about 15x on a 2-core AVX2 EPYC), so
+run one to two orders of magnitude slower than float32 (how much depends on the CPU), so
 `auto` picks float32 there.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Measured on a 2-core AMD EPYC with AVX2 only (docs/benchmarks.md).
-NON_NATIVE_BF16_SLOWDOWN = "about 15x"
+# Where the slowdown was measured: the factor differs from one CPU to the next.
+NON_NATIVE_BF16_MEASURED = "docs/benchmarks.md, section 'CPU without native bf16'"
 
 
 def cpu_bf16_support() -> tuple[bool, str]:
@@ -44,12 +44,14 @@ def resolve_param_precision(requested: str, device_type: str) -> ParamPrecision:
         if native:
             return ParamPrecision("bfloat16", f"auto: this CPU computes bf16 natively ({capability})")
         return ParamPrecision(
-            "float32", f"auto: this CPU ({capability}) has no native bf16, where float32 is {NON_NATIVE_BF16_SLOWDOWN} faster"
+            "float32", f"auto: this CPU ({capability}) has no native bf16, where float32 is much faster "
+            f"({NON_NATIVE_BF16_MEASURED})"
         )
     warning = None
     if requested == "bfloat16" and not native:
         warning = (
             f"training.mixed_precision_param = 'bfloat16' on a CPU without native bf16 ({capability}): "
-            f"bf16 matmuls run {NON_NATIVE_BF16_SLOWDOWN} slower than float32 here; 'auto' picks float32"
+            f"bf16 matmuls are emulated and run many times slower than float32 ({NON_NATIVE_BF16_MEASURED}); "
+            "'auto' picks float32"
         )
     return ParamPrecision(requested, "set in the config", warning)

@@ -17,7 +17,6 @@ or packed rows (``pack=True``), numbered in the per-epoch sample order, which a
 seeded shuffle makes the same for every dp degree.
 """
 
-import logging
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -28,10 +27,8 @@ from trainer.data_sft_options import SFTOptions
 from trainer.data_source import BadRow, DataSource, Progress, skip_warning
 from trainer.data_windows import IGNORE_INDEX, WindowDataset
 from trainer.errors import UserError
-from trainer.metrics import warn
+from trainer.log import warn
 from trainer.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
@@ -233,7 +230,6 @@ class SFTDataset(WindowDataset):
         self.dialogs = [None if e is None else e[1] for e in _load(source, options, bad_rows, verbose)]
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
         self._order: tuple[int, list[int]] = (-1, [])
-        self._warned = False
 
     def order(self, epoch: int) -> list[int]:
         if self._order[0] != epoch:
@@ -250,12 +246,8 @@ class SFTDataset(WindowDataset):
         truncated = False
         if len(ids) > self.seq_len + 1:
             if self.options.truncation == "drop" or len(turns[-1][1]) > self.seq_len:
-                if not self._warned:
-                    logger.warning(
-                        "dropping SFT samples longer than seq_len %d (counted in stats()['dropped'])",
-                        self.seq_len,
-                    )
-                    self._warned = True
+                warn(f"dropping SFT samples longer than seq_len {self.seq_len} (counted in stats()['dropped'])",
+                     once=True)
                 return None, False
             # BOS, then the newest seq_len tokens: the final reply survives whole
             ids = ids[:1] + ids[-self.seq_len:]

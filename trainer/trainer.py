@@ -29,6 +29,7 @@ from trainer.data_exchange import world_exchange
 from trainer.dump import move_previous_records
 from trainer.errors import UserError, reported_in_this_launch
 from trainer.float8_training import Float8Training
+from trainer.log import info, warn
 from trainer.loss import cross_entropy_sum, loss_context
 from trainer.memory_plan import check_plan
 from trainer.metrics import (
@@ -38,13 +39,13 @@ from trainer.metrics import (
     gpu_bf16_peak_flops,
     memory_stats,
     reset_peak_memory,
-    warn,
 )
 from trainer.model_setup import build_meta_model, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallelize import parallelize_llama
 from trainer.precision import resolve_param_precision
 from trainer.profiling import StepProfiler
+from trainer.run_facts import RunFacts, startup_summary
 from trainer.sft_data import SFTOptions
 from trainer.tokenizer import Tokenizer
 from trainer.validation import Validator
@@ -123,11 +124,11 @@ class Trainer:
         # Float8 off gives a no-op seam: nothing below asks whether float8 is on.
         self.float8 = Float8Training.from_config(cfg, device_type)
         self.float8.convert(model)
-        self.flops_per_token = flops_per_token(
-            num_params(model, exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
-            cfg.training.seq_len,
+        self.facts = RunFacts.for_run(
+            cfg, distributed.planned_world_size(), dp, tp, self.param_precision.dtype, num_params(model),
+            flops_per_token(num_params(model, exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
+                            cfg.training.seq_len),
         )
-        self.n_params = num_params(model)
         # Before any weight is allocated: the advice refuses float8 on GPUs without float8 GEMMs.
         self.advice = self.float8.advice(self.device, dp, tp)
         if self.param_precision.warning:
@@ -165,32 +166,15 @@ class Trainer:
 
         init_weights(self.model, self.model_args, self.cfg, self.device)
 
-    def run_name(self) -> str:
-        if self.cfg.job.run_name:
-            return self.cfg.job.run_name
-        short = {"bfloat16": "bf16", "float32": "fp32"}[self.cfg.training.mixed_precision_param]
-        precision = self.float8.recipe_name or short
-        return f"{self.cfg.model.flavor}-{precision}-{self.cfg.compile.mode}"
-
     def _startup_summary(self) -> None:
-        c = self.cfg
-        params = f"params {c.training.mixed_precision_param} ({self.param_precision.reason})"
-        precision = self.float8.describe(params)
-        tokens_per_step = c.training.batch_size * c.training.seq_len * c.training.gradient_accumulation_steps * self.dp
+        params = f"params {self.facts.param_dtype} ({self.param_precision.reason})"
         peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
-        lines = [
-            f"run {self.run_name()}: {c.job.description}" if c.job.description else f"run {self.run_name()}",
-            f"model llama2 {c.model.flavor}: {self.n_params:,} params, {self.model_args.n_layers} layers, "
-            f"{self.flops_per_token / 1e9:.2f} GFLOP/token",
-            f"device {self.device_name} ({peak}) x {self.dist.world_size}; mesh dp={self.dp} tp={self.tp}",
-            f"precision {precision}; compile {c.compile.mode}; activation checkpoint {c.activation_checkpoint.mode}; "
-            f"packed attention {self.model_args.attention}",
-            f"tokens per step {tokens_per_step:,} (batch {c.training.batch_size} x seq {c.training.seq_len} "
-            f"x accum {c.training.gradient_accumulation_steps} x dp {self.dp})",
-            f"memory estimate {self.memory.summary()}",
-        ]
+        lines = startup_summary(
+            self.facts, self.cfg, self.model_args.n_layers, self.model_args.attention, f"{self.device_name} ({peak})",
+            self.float8.describe(params), self.memory.summary(),
+        )
         for line in lines + self.float8.summary_lines():
-            print(line, flush=True)
+            info(line)
 
     # -- the loop ------------------------------------------------------------
 
@@ -295,7 +279,7 @@ class Trainer:
             # torchrun stopping this rank because a peer already printed its error is no request.
             if self.is_main and not reported_in_this_launch():
                 then = "saving a checkpoint" if self.cfg.checkpoint.enable else "not saving (checkpointing disabled)"
-                print(f"received signal {signum}: finishing this step, {then}, then exiting", flush=True)
+                info(f"received signal {signum}: finishing this step, {then}, then exiting")
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
@@ -318,23 +302,19 @@ class Trainer:
         # is written after the load, which may put the checkpoint's values in force.
         if self.is_main:
             if resumed:
-                print(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})", flush=True)
+                info(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})")
             else:
                 kept = move_previous_records(dump)
                 if kept is not None:
-                    print(f"the previous run's records in {dump} were moved to {kept}", flush=True)
+                    info(f"the previous run's records in {dump} were moved to {kept}")
             (dump / "config.toml").write_text(to_toml(cfg))
-        logger = MetricsLogger(str(dump), self.run_name(), cfg.metrics.enable_tensorboard, self.is_main,
+        logger = MetricsLogger(str(dump), self.facts.run_name, cfg.metrics.enable_tensorboard, self.is_main,
                                config_text=to_toml(cfg), resume_step=self.state.step if resumed else None)
         profiler = StepProfiler(cfg.profiling, dump, self.dist.rank, self.device)
         self._install_signal_handlers()
         timer = StepTimer(self.device)
         self.model.train()
         data_iter = iter(self.dataloader)
-        tokens_per_step_local = (
-            cfg.training.batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
-        )
-        tokens_per_gpu = tokens_per_step_local / self.tp
         train_start = time.perf_counter()
         first_step = self.state.step + 1
         skipped_total = skipped_in_a_row = 0
@@ -366,7 +346,7 @@ class Trainer:
                             data_error = e
                     data_time = time.perf_counter() - t_data
                 t_end = time.perf_counter()
-                self.state.tokens_seen += tokens_per_step_local * self.dp
+                self.state.tokens_seen += self.facts.tokens_per_step
                 if applied:
                     self.state.step = step
                     skipped_in_a_row = 0
@@ -378,15 +358,15 @@ class Trainer:
                 if applied and self.validator is not None and self.validator.due(step):
                     validation = self.validator.evaluate(self.model)
                     if self.is_main:
-                        print(f"validation step {step}: loss {validation['validation/loss']:.4f}  perplexity "
-                              f"{validation['validation/perplexity']:.2f}{_accuracy_text(validation)}  "
-                              f"({validation['validation/time_s']:.1f}s)", flush=True)
+                        info(f"validation step {step}: loss {validation['validation/loss']:.4f}  perplexity "
+                             f"{validation['validation/perplexity']:.2f}{_accuracy_text(validation)}  "
+                             f"({validation['validation/time_s']:.1f}s)")
                 if applied and (
                     step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps or validation
                 ):
                     step_time = t_end - t_start
-                    tps = tokens_per_gpu / step_time
-                    tflops = tps * self.flops_per_token / 1e12
+                    tps = self.facts.tokens_per_gpu / step_time
+                    tflops = tps * self.facts.flops_per_token / 1e12
                     record = {
                         "step": step, "loss": loss, "grad_norm": grad_norm,
                         "lr": self.lr_scheduler.get_last_lr()[0], "tps": tps, "tflops": tflops,
@@ -408,7 +388,7 @@ class Trainer:
                 if stop:
                     if self.is_main:
                         saved = "checkpoint saved" if cfg.checkpoint.enable else "no checkpoint (checkpointing disabled)"
-                        print(f"stopped at step {step} on request; {saved}", flush=True)
+                        info(f"stopped at step {step} on request; {saved}")
                     break
                 if step < cfg.training.steps:
                     micro_batches, self.data_state = next_batches, next_state

@@ -1,0 +1,281 @@
+"""The config schema: one dataclass per TOML section, choice fields typed with `Literal`.
+
+A choice field's `Literal` type is its only list of choices: validation, `--help`, the
+choices column of docs/configuration.md (tests/test_config.py checks) and the modules that
+need the list (`typing.get_args` of the alias) all read it from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ModelFlavor = Literal["debug", "7B", "13B", "70B"]
+AttentionKernel = Literal["auto", "sdpa", "flex"]
+Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
+CompileMode = Literal["none", "block", "model"]
+ActivationCheckpointMode = Literal["none", "full", "selective"]
+ParamDtype = Literal["auto", "bfloat16", "float32"]
+ReduceDtype = Literal["float32", "bfloat16"]
+DeviceChoice = Literal["auto", "cuda", "cpu"]
+DataKind = Literal["pretrain", "sft"]
+DataFormat = Literal["auto", "text", "jsonl", "parquet"]
+BadRows = Literal["error", "skip"]
+SFTFormat = Literal["auto", "alpaca", "chat"]
+TrainOn = Literal["responses", "all"]
+Truncation = Literal["truncate_prompt", "drop"]
+OptimizerImplementation = Literal["auto", "fused", "foreach", "for-loop"]
+LRDecay = Literal["linear", "cosine", "none"]
+AsyncMode = Literal["disabled", "async"]
+InitialLoadFormat = Literal["dcp", "hf", "meta", "torch"]
+ExportDtype = Literal["bfloat16", "float32"]
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    meta = {"help": help}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def choices_of(tp: Any) -> tuple[str, ...] | None:
+    """The values a field of type `tp` may take, or None when it is no choice field."""
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+
+
+def _section(cls: type) -> type:
+    """A config section: a dataclass whose fields' metadata["choices"] come from their Literal types."""
+    hints = typing.get_type_hints(cls)
+    for name, f in vars(cls).items():
+        if isinstance(f, dataclasses.Field):
+            f.metadata = types.MappingProxyType({**f.metadata, "choices": choices_of(hints[name])})
+    return dataclass(cls)
+
+
+@_section
+class JobConfig:
+    """Where the run writes and what it is."""
+
+    dump_folder: str = _opt("outputs/debug", "Folder for config.toml, metrics.jsonl, tb/, checkpoints/, profiles/.")
+    description: str = _opt("", "Free text describing the run; shown at startup and in TensorBoard.")
+    dry_run: bool = _opt(False, "Build the model on the meta device, print the plan and exit without allocating weights.")
+    run_name: str = _opt("", "TensorBoard run name under <dump_folder>/tb/ (default: <flavor>-<precision>-<compile mode>).")
+
+
+@_section
+class ModelConfig:
+    """Which model to build."""
+
+    flavor: ModelFlavor = _opt("debug", "Model size.")
+    tokenizer_path: str = _opt("data/tokenizer.model", "sentencepiece tokenizer.model (LLaMA-2 format: BOS 1, EOS 2).")
+    n_layers: int = _opt(0, "Override the flavour's number of layers (0 = flavour default); e.g. fewer layers to fit one GPU.")
+    max_seq_len: int = _opt(
+        0,
+        "Longest sequence the model is built for (RoPE table size); 0 = the flavour's (debug 2048, 7B 4096). "
+        "Set it to at least training.seq_len to train beyond the flavour's length.",
+    )
+    attention: AttentionKernel = _opt(
+        "auto",
+        "Attention kernel for packed samples (data.pack): sdpa = SDPA with a dense document mask; flex = "
+        "flex_attention with a block-sparse document mask (CUDA only: no flex backward on CPU); auto = flex "
+        "when compile.mode is block or model on CUDA, else sdpa. Unpacked batches always use SDPA's causal kernel.",
+    )
+
+
+@_section
+class Float8TrainingConfig:
+    """Float8 training of the linear layers (see docs/float8.md)."""
+
+    # Same names and defaults as float8.Float8Config (tests/test_float8_training.py checks),
+    # without importing torch here: a bad config is refused before torch loads.
+
+    enabled: bool = _opt(False, "Convert eligible nn.Linear layers to float8 training linears.")
+    scaling: Float8Scaling = _opt("tensorwise", "Scaling recipe.")
+    emulate: bool = _opt(False, "Emulate float8 GEMMs in high precision (for hardware without float8 GEMMs; slow).")
+    fsdp_float8_all_gather: bool = _opt(False, "All-gather weights in float8 under FSDP (tensorwise only); halves weight traffic.")
+    filter_fqns: list[str] = _opt(["output"], "Module names to keep in high precision (substring match).")
+    min_features: int = _opt(0, "Skip linears whose in or out features are below this (too small to gain from float8).")
+
+
+@_section
+class CompileConfig:
+    """torch.compile granularity."""
+
+    mode: CompileMode = _opt("none", "none = eager; block = each TransformerBlock (fullgraph); model = the whole model.")
+    backend: str = _opt("inductor", "torch.compile backend.")
+
+
+@_section
+class ParallelismConfig:
+    """Device mesh: data-parallel sharding (FSDP2) x tensor parallel."""
+
+    data_parallel_shard_degree: int = _opt(-1, "FSDP degree; -1 = world size / tensor_parallel_degree.")
+    tensor_parallel_degree: int = _opt(1, "Tensor (and sequence) parallel degree.")
+    reshard_after_forward: bool = _opt(True, "FSDP: free gathered weights after forward (saves memory, regathers in backward).")
+    float8_tensor_parallel: bool = _opt(True, "With tensorwise float8, use float8-aware TP styles (all-gathers move float8).")
+    loss_parallel: bool = _opt(True, "With TP: keep the logits sharded on the vocab dim and compute the cross-entropy in parallel, so no rank holds full-vocab logits.")
+
+
+@_section
+class ActivationCheckpointConfig:
+    """Recompute activations in backward to save memory."""
+
+    mode: ActivationCheckpointMode = _opt("none", "none | full (every block) | selective.")
+    selective_option: str = _opt("op", "selective: 'op' saves matmul/attention outputs and recomputes the rest; an integer N checkpoints every N-th block.")
+
+
+@_section
+class TrainingConfig:
+    """The optimisation loop."""
+
+    batch_size: int = _opt(8, "Sequences per micro-batch per data-parallel rank.")
+    seq_len: int = _opt(256, "Tokens per sequence.")
+    steps: int = _opt(100, "Optimizer steps.")
+    max_norm: float = _opt(1.0, "Clip gradients to this global L2 norm (0 disables clipping).")
+    gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step.")
+    mixed_precision_param: ParamDtype = _opt(
+        "auto",
+        "Compute dtype of parameters (master weights stay fp32). auto = bfloat16 on CUDA and on CPUs with native "
+        "bf16 (AVX512-BF16/AMX), float32 on other CPUs (bf16 is emulated there, about 15x slower).",
+    )
+    mixed_precision_reduce: ReduceDtype = _opt("float32", "Gradient reduce dtype.")
+    seed: int = _opt(42, "Seed for weights init and dropout-free randomness.")
+    deterministic: bool = _opt(False, "Use deterministic algorithms (slower).")
+    device: DeviceChoice = _opt("auto", "auto = CUDA when available, else CPU.")
+    skip_nonfinite_steps: int = _opt(
+        0,
+        "A step whose loss or grad norm is NaN/inf is never applied; 0 = stop the run there, N = skip up to N "
+        "such steps in a row (counted as skipped_steps in the metrics) and stop at the next.",
+    )
+
+
+@_section
+class DataConfig:
+    """Training data."""
+
+    kind: DataKind = _opt("pretrain", "pretrain = packed text; sft = instruction tuning with prompt masking.")
+    path: str = _opt("data/corpus", "File, folder or glob of .txt/.jsonl/.parquet (or a hub dataset name when online).")
+    format: DataFormat = _opt("auto", "Input format (auto = by file extension).")
+    text_field: str = _opt("text", "Field holding the text in JSON Lines / parquet pretraining data.")
+    num_workers: int = _opt(
+        1,
+        "Pretraining: worker processes per rank that read and tokenize this rank's share of the rows ahead "
+        "of use (0 = on the training thread, when a batch is needed).",
+    )
+    bad_rows: BadRows = _opt(
+        "error",
+        "A data row that is not UTF-8, not JSON or lacks its field(s): error = stop the run naming file and line "
+        "(local data up to 1 GB, and all SFT data, is checked before the first step); skip = skip it, "
+        "warn once and count it as data/bad_rows in the metrics.",
+    )
+    sft_format: SFTFormat = _opt("auto", "SFT row format.")
+    instruction_field: str = _opt("instruction", "Alpaca field with the instruction.")
+    input_field: str = _opt("input", "Alpaca field with the optional input.")
+    output_field: str = _opt("output", "Alpaca field with the response.")
+    messages_field: str = _opt("messages", "Chat field with the list of {role, content} messages.")
+    train_on: TrainOn = _opt("responses", "Tokens that carry loss in SFT.")
+    pack: bool = _opt(False, "SFT: pack several samples per sequence with document-causal attention.")
+    truncation: Truncation = _opt("truncate_prompt", "SFT samples longer than seq_len: cut the prompt's start, or drop them (counted in the log).")
+    shuffle: bool = _opt(True, "SFT: seeded shuffle each epoch.")
+    eval_path: str = _opt("", "Held-out SFT split for scripts/eval_sft.py.")
+
+
+@_section
+class ValidationConfig:
+    """Held-out loss during training."""
+
+    enable: bool = _opt(False, "Evaluate on held-out data every `freq` steps and at the last step.")
+    path: str = _opt("", "Held-out data in data.path's formats (pretraining text or SFT rows, as data.kind says).")
+    freq: int = _opt(100, "Evaluate every N steps (and at the last step).")
+    steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time.")
+
+
+@_section
+class OptimizerConfig:
+    """AdamW."""
+
+    lr: float = _opt(8e-4, "Peak learning rate.")
+    weight_decay: float = _opt(0.1, "Decoupled weight decay (not applied to norms).")
+    betas: list[float] = _opt([0.9, 0.95], "Adam betas.")
+    eps: float = _opt(1e-8, "Adam epsilon.")
+    implementation: OptimizerImplementation = _opt("auto", "auto = fused on CUDA, foreach elsewhere.")
+
+
+@_section
+class LRSchedulerConfig:
+    """Warmup then decay."""
+
+    warmup_steps: int = _opt(10, "Linear warmup steps from 0 to the peak lr.")
+    decay: LRDecay = _opt("cosine", "Decay after warmup down to min_lr_ratio * lr.")
+    min_lr_ratio: float = _opt(0.1, "Final lr as a fraction of the peak lr.")
+
+
+@_section
+class CheckpointConfig:
+    """Distributed checkpoints (DCP) and initial weights."""
+
+    enable: bool = _opt(False, "Save checkpoints and resume from the latest complete one.")
+    folder: str = _opt("checkpoints", "Checkpoint folder, relative to dump_folder unless absolute.")
+    interval: int = _opt(500, "Save every N steps (and at the last step).")
+    keep_latest_k: int = _opt(0, "Keep only the newest K checkpoints (0 = keep all).")
+    async_mode: AsyncMode = _opt("disabled", "disabled = save in the training thread; async = save in the background.")
+    load_step: int = _opt(-1, "Resume from this step (-1 = latest complete checkpoint).")
+    initial_load_path: str = _opt("", "Weights to start from when no checkpoint exists (see initial_load_format).")
+    initial_load_format: InitialLoadFormat = _opt("dcp", "Format of initial_load_path.")
+    export_dtype: ExportDtype = _opt("bfloat16", "dtype of the model-only export written at the end (model.safetensors).")
+    export_final: bool = _opt(False, "Write <folder>/final/model.safetensors (model only) after the last step.")
+    verify_checksums: bool = _opt(True, "Write a CRC-32 of every checkpoint file (checksums.json) and check them before resuming, so damaged files are refused instead of loaded.")
+
+
+@_section
+class MetricsConfig:
+    """Console, metrics.jsonl and TensorBoard."""
+
+    log_freq: int = _opt(10, "Log every N steps (and at step 1).")
+    enable_tensorboard: bool = _opt(True, "Write TensorBoard events under <dump_folder>/tb/<run-name>/.")
+
+
+@_section
+class ProfilingConfig:
+    """torch.profiler traces and CUDA memory snapshots."""
+
+    enable: bool = _opt(False, "Record profiler traces for `steps` into <dump_folder>/profiles/step-N/.")
+    steps: list[int] = _opt([3], "Steps to trace.")
+    memory_snapshot: bool = _opt(False, "Record a CUDA memory snapshot (and one on OOM).")
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    float8: Float8TrainingConfig = field(default_factory=Float8TrainingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+SECTIONS: dict[str, type] = _section_types()
+
+
+def field_types(section_cls: type) -> dict[str, Any]:
+    """Each key of a section and its type (a `Literal` for a choice field)."""
+    return typing.get_type_hints(section_cls)

@@ -1,0 +1,92 @@
+"""The trainer's console: information on stdout, `warning: ...` on stderr, from rank 0 only by default.
+
+Under torchrun every rank runs the same code, so an unguarded message comes out once per
+rank. `info` and `warn` speak on rank 0 unless a call says `every_rank=True` (a message
+about this rank alone, then prefixed with the rank). The rank is the process group's once
+it exists, torchrun's RANK before that, so messages work from the first line of a launch.
+
+Libraries keep their own mechanisms (`float8/` must not import the trainer; the data
+workers are separate processes): `route_library_warnings` sends python warnings and
+warnings logged to unconfigured loggers through `warn`, once each, and keeps torch's own
+log warnings to rank 0, where every rank would repeat them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch.distributed as dist
+
+_warned: set[str] = set()
+
+
+def rank() -> int:
+    """This process's rank: the process group's, or torchrun's RANK before the group exists (0 run directly)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _text(message: str, every_rank: bool) -> str | None:
+    """The line this rank prints, or None when it stays quiet."""
+    if not every_rank:
+        return message if rank() == 0 else None
+    return f"rank {rank()}: {message}" if _world_size() > 1 else message
+
+
+def info(message: str, *, every_rank: bool = False) -> None:
+    """Print `message` on stdout (rank 0 only unless `every_rank`)."""
+    line = _text(message, every_rank)
+    if line is not None:
+        print(line, flush=True)
+
+
+def warn(message: str, *, every_rank: bool = False, once: bool = False) -> None:
+    """Print `warning: <message>` on stderr (rank 0 only unless `every_rank`); `once`: not again in this process."""
+    if once:
+        if message in _warned:
+            return
+        _warned.add(message)
+    line = _text(message, every_rank)
+    if line is not None:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+class _LibraryWarnings(logging.Handler):
+    """Logged warnings of loggers with no handler of their own (python warnings included), via `warn`."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        warn(record.getMessage().strip(), once=True)
+
+
+def _below_error_on_rank_zero_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR or rank() == 0
+
+
+def route_library_warnings() -> None:
+    """Library warnings once, from rank 0: python warnings, other loggers' warnings, torch's log warnings.
+
+    Call once the libraries are imported (torch installs its log handlers on import);
+    calling it again changes nothing.
+    """
+    logging.captureWarnings(True)
+    root = logging.getLogger()
+    if not any(isinstance(h, _LibraryWarnings) for h in root.handlers):
+        root.addHandler(_LibraryWarnings())
+    # torch's loggers print through handlers of their own (set up on import), on every rank.
+    for name, logger in logging.root.manager.loggerDict.items():
+        if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
+            for handler in logger.handlers:
+                if _below_error_on_rank_zero_only not in handler.filters:
+                    handler.addFilter(_below_error_on_rank_zero_only)

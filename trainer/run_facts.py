@@ -1,0 +1,72 @@
+"""What a run is, derived once from its config and layout: the numbers the trainer, its
+startup summary and the dry run (trainer/plan.py) all print or use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.config import Config
+
+_SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    world_size: int
+    dp: int
+    tp: int
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    # Sequences per optimizer step over all DP ranks (a TP group shares one DP rank's batch).
+    global_batch: int
+    tokens_per_step: int
+    # Tokens per step each GPU works on: its DP rank's tokens, split over the TP group.
+    tokens_per_gpu: float
+    param_dtype: str
+    float8_recipe: str | None
+    # bf16, fp32 or the float8 recipe: the precision part of the default run name.
+    precision: str
+    run_name: str
+    n_params: int
+    flops_per_token: int
+
+    @staticmethod
+    def for_run(
+        cfg: Config, world_size: int, dp: int, tp: int, param_dtype: str, n_params: int, flops_per_token: int
+    ) -> RunFacts:
+        """`param_dtype` is training.mixed_precision_param resolved for the device (never 'auto')."""
+        t = cfg.training
+        tokens_per_rank = t.batch_size * t.seq_len * t.gradient_accumulation_steps
+        recipe = cfg.float8.scaling if cfg.float8.enabled else None
+        precision = recipe or _SHORT_DTYPES[param_dtype]
+        return RunFacts(
+            world_size=world_size, dp=dp, tp=tp, batch_size=t.batch_size, seq_len=t.seq_len,
+            grad_accum=t.gradient_accumulation_steps, global_batch=t.batch_size * t.gradient_accumulation_steps * dp,
+            tokens_per_step=tokens_per_rank * dp, tokens_per_gpu=tokens_per_rank / tp, param_dtype=param_dtype,
+            float8_recipe=recipe, precision=precision,
+            run_name=cfg.job.run_name or f"{cfg.model.flavor}-{precision}-{cfg.compile.mode}",
+            n_params=n_params, flops_per_token=flops_per_token,
+        )
+
+    def tokens_per_step_text(self) -> str:
+        return (f"{self.tokens_per_step:,} (batch {self.batch_size} x seq {self.seq_len} x accum {self.grad_accum} "
+                f"x dp {self.dp})")
+
+
+def startup_summary(
+    facts: RunFacts, cfg: Config, n_layers: int, attention: str, device: str, precision: str, memory: str
+) -> list[str]:
+    """The lines the trainer prints before the first step; `device`, `precision` and `memory` are
+    the device with its peak, the float8 seam's precision text and the memory estimate."""
+    run = f"run {facts.run_name}: {cfg.job.description}" if cfg.job.description else f"run {facts.run_name}"
+    return [
+        run,
+        f"model llama2 {cfg.model.flavor}: {facts.n_params:,} params, {n_layers} layers, "
+        f"{facts.flops_per_token / 1e9:.2f} GFLOP/token",
+        f"device {device} x {facts.world_size}; mesh dp={facts.dp} tp={facts.tp}",
+        f"precision {precision}; compile {cfg.compile.mode}; activation checkpoint {cfg.activation_checkpoint.mode}; "
+        f"packed attention {attention}",
+        f"tokens per step {facts.tokens_per_step_text()}",
+        f"memory estimate {memory}",
+    ]
