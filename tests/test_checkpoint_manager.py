@@ -25,7 +25,7 @@ from trainer.data import build_dataloader
 from trainer.errors import UserError
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.tokenizer import Tokenizer
-from trainer.trainer import TrainState
+from trainer.train_state import TrainState
 
 ARGS = dataclasses.replace(LLAMA2_FLAVORS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 BATCH, SEQ_LEN, STEPS = 2, 32, 4

@@ -261,7 +261,7 @@ def test_parquet_errors_name_file_and_row(tok: Tokenizer, tmp_path: Path) -> Non
 
 def test_bad_format_and_arguments(tok: Tokenizer, jsonl: Path, tmp_path: Path) -> None:
     assert error_of(tok, jsonl, data_format="csv") == (
-        "unknown data format 'csv' (expected one of: auto, jsonl, parquet, text)"
+        "unknown data format 'csv' (expected one of: auto, text, jsonl, parquet)"
     )
     (tmp_path / "x.csv").write_text("a,b\n")
     assert "cannot tell the format" in error_of(tok, tmp_path / "x.csv")

@@ -49,7 +49,7 @@ def test_loss_perplexity_and_accuracy_are_token_means_over_the_first_steps_batch
         ValidationConfig(enable=True, path="x", freq=3, steps=4), batches, last_step=10,
         device=torch.device("cpu"), dp_group=one_process_group, vocab_sharded_logits=False, accuracy=True,
     )
-    record = validator.evaluate(model)
+    record = validator.evaluate(model, 3)
     logits = torch.cat([model(b["input_ids"]) for b in batches[:4]]).flatten(0, 1)
     labels = torch.cat([b["labels"] for b in batches[:4]]).flatten()
     keep = labels != -100
@@ -60,7 +60,7 @@ def test_loss_perplexity_and_accuracy_are_token_means_over_the_first_steps_batch
     assert record["validation/accuracy"] == pytest.approx(accuracy, abs=1e-12)
     assert 0 < record["validation/time_s"] < 60
     assert model.training, "the model must be back in train mode"
-    again = validator.evaluate(model)
+    again = validator.evaluate(model, 3)
     assert again["validation/loss"] == record["validation/loss"]
     assert [validator.due(s) for s in (1, 3, 5, 6, 9, 10)] == [False, True, False, True, True, True]
 
@@ -70,7 +70,7 @@ def test_pretraining_validation_has_no_accuracy(one_process_group):
         ValidationConfig(enable=True, path="x", steps=2), _batches(2), last_step=4,
         device=torch.device("cpu"), dp_group=one_process_group, vocab_sharded_logits=False, accuracy=False,
     )
-    assert set(validator.evaluate(TinyLM())) == {"validation/loss", "validation/perplexity", "validation/time_s"}
+    assert set(validator.evaluate(TinyLM(), 2)) == {"validation/loss", "validation/perplexity", "validation/time_s"}
 
 
 VALIDATED = [
@@ -124,7 +124,7 @@ def test_sft_validation_reports_response_accuracy(tmp_path):
 
 
 def test_validation_without_a_path_is_one_line(tmp_path):
-    result = run_train(["--validation.enable", "true", "--job.dump_folder", str(tmp_path)])
+    result = run_train(["--validation.enable", "true", "--validation.path", "", "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: validation.enable = true needs validation.path (held-out data in data.path's formats)"

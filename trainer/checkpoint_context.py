@@ -16,7 +16,7 @@ from trainer.distributed import DistInfo
 
 
 class TrainProgress(Protocol):
-    """The loop's counters (trainer.trainer.TrainState): saved in extra.json, restored on resume."""
+    """The loop's counters (trainer.train_state.TrainState): saved in extra.json, restored on resume."""
 
     step: int
 

@@ -139,7 +139,7 @@ class TrainingConfig:
     mixed_precision_param: ParamDtype = _opt(
         "auto",
         "Compute dtype of parameters (master weights stay fp32). auto = bfloat16 on CUDA and on CPUs with native "
-        "bf16 (AVX512-BF16/AMX), float32 on other CPUs (bf16 is emulated there, about 15x slower).",
+        "bf16 (AVX512-BF16/AMX), float32 on other CPUs (bf16 is emulated there, far slower: docs/benchmarks.md, 'CPU without native bf16').",
     )
     mixed_precision_reduce: ReduceDtype = _opt("float32", "Gradient reduce dtype.")
     seed: int = _opt(42, "Seed for weights init and dropout-free randomness.")

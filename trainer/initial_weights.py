@@ -26,6 +26,7 @@ from models.llama.weight_conversion import WeightsError
 from models.llama.weight_files import read_weights
 from trainer.dcp_reader import check_model_keys, load_dcp_model
 from trainer.errors import UserError
+from trainer.log import info
 
 
 def load_full_state_dict(path: str, fmt: str, args: LlamaArgs) -> dict[str, torch.Tensor]:
@@ -68,6 +69,5 @@ def load_initial_weights(
     # ru_maxrss is KiB on Linux: the peak so far, which shows what rank 0's full copy cost.
     peaks: list[Any] = [None] * world_size
     dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2)
-    if rank == 0:
-        print(f"loaded initial weights ({fmt}) from {path} in {seconds:.1f}s; "
-              f"peak host memory per rank: {', '.join(f'{p:.1f}' for p in peaks)} GiB", flush=True)
+    info(f"loaded initial weights ({fmt}) from {path} in {seconds:.1f}s; "
+         f"peak host memory per rank: {', '.join(f'{p:.1f}' for p in peaks)} GiB")

@@ -59,6 +59,9 @@ def print_plan(cfg: Config) -> None:
         f"  activation ckpt   {cfg.activation_checkpoint.mode}"
         + (f" ({cfg.activation_checkpoint.selective_option})" if cfg.activation_checkpoint.mode == "selective" else ""),
     ]
+    v = cfg.validation
+    if v.enable:
+        lines.append(f"  validation        {v.path}: {v.steps} batches every {v.freq} steps and at step {t.steps}")
     if report is not None:
         lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
     notes = float8.advice(device, dp, tp)

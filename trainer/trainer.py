@@ -1,17 +1,13 @@
 """The training loop and the build order that precedes it.
 
-Build order (README, "Parallelism"): tokenizer + data -> model on meta -> float8 conversion ->
+Build order (docs/design.md): tokenizer + data -> model on meta -> float8 conversion ->
 FLOPs per token -> TP -> AC -> compile -> FSDP2 -> materialise + init/load ->
 optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import random
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +23,7 @@ from trainer.config import Config, check_layout, to_toml
 from trainer.data import build_dataloader
 from trainer.data_exchange import world_exchange
 from trainer.dump import move_previous_records
-from trainer.errors import UserError, reported_in_this_launch
+from trainer.errors import UserError
 from trainer.float8_training import Float8Training
 from trainer.log import info, warn
 from trainer.loss import cross_entropy_sum, loss_context
@@ -48,38 +44,12 @@ from trainer.profiling import StepProfiler
 from trainer.run_facts import RunFacts, startup_summary
 from trainer.sft_data import SFTOptions
 from trainer.tokenizer import Tokenizer
+from trainer.train_state import StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
-
-
-@dataclasses.dataclass
-class TrainState:
-    step: int = 0
-    tokens_seen: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.step = int(sd["step"])
-        self.tokens_seen = int(sd["tokens_seen"])
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.benchmark = False
 
 
 def sft_options(cfg: Config) -> SFTOptions | None:
     return SFTOptions.from_config(cfg.data) if cfg.data.kind == "sft" else None
-
-
-def _accuracy_text(validation: dict[str, float]) -> str:
-    accuracy = validation.get("validation/accuracy")
-    return "" if accuracy is None else f"  accuracy {accuracy:.4f}"
 
 
 class Trainer:
@@ -145,7 +115,7 @@ class Trainer:
             model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             train_state=self.state, context=CheckpointContext.for_run(cfg, self.model_args, self.dist, dp, tp),
         )
-        self._stop_requested = False
+        self.stop_request = StopRequest(self.device, saving=cfg.checkpoint.enable)
 
     # -- setup helpers -------------------------------------------------------
 
@@ -273,22 +243,6 @@ class Trainer:
             f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)"
         )
 
-    def _install_signal_handlers(self) -> None:
-        def request_stop(signum, frame):
-            self._stop_requested = True
-            # torchrun stopping this rank because a peer already printed its error is no request.
-            if self.is_main and not reported_in_this_launch():
-                then = "saving a checkpoint" if self.cfg.checkpoint.enable else "not saving (checkpointing disabled)"
-                info(f"received signal {signum}: finishing this step, {then}, then exiting")
-
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
-
-    def _stop_everywhere(self) -> bool:
-        flag = torch.tensor(int(self._stop_requested), device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def train(self) -> None:
         cfg = self.cfg
         dump = Path(cfg.job.dump_folder)
@@ -311,7 +265,7 @@ class Trainer:
         logger = MetricsLogger(str(dump), self.facts.run_name, cfg.metrics.enable_tensorboard, self.is_main,
                                config_text=to_toml(cfg), resume_step=self.state.step if resumed else None)
         profiler = StepProfiler(cfg.profiling, dump, self.dist.rank, self.device)
-        self._install_signal_handlers()
+        self.stop_request.install()
         timer = StepTimer(self.device)
         self.model.train()
         data_iter = iter(self.dataloader)
@@ -356,11 +310,7 @@ class Trainer:
                     self._skip_or_stop(step, loss, grad_norm, skipped_in_a_row)
                 validation = {}
                 if applied and self.validator is not None and self.validator.due(step):
-                    validation = self.validator.evaluate(self.model)
-                    if self.is_main:
-                        info(f"validation step {step}: loss {validation['validation/loss']:.4f}  perplexity "
-                             f"{validation['validation/perplexity']:.2f}{_accuracy_text(validation)}  "
-                             f"({validation['validation/time_s']:.1f}s)")
+                    validation = self.validator.evaluate(self.model, step)
                 if applied and (
                     step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps or validation
                 ):
@@ -382,7 +332,7 @@ class Trainer:
                     logger.log(record, cfg.training.steps, eta)
                 if data_error is not None:
                     self._stop_on_data_error(data_error, first_step)
-                stop = self._stop_everywhere()
+                stop = self.stop_request.agreed()
                 step = self.state.step
                 self.checkpointer.maybe_save(self.data_state, force=stop or step == cfg.training.steps)
                 if stop:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.config import ValidationConfig
+from trainer.log import info
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
 
 
@@ -43,8 +44,8 @@ class Validator:
     def due(self, step: int) -> bool:
         return step % self.cfg.freq == 0 or step == self.last_step
 
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """validation/loss, validation/perplexity, validation/accuracy (SFT) and validation/time_s."""
+    def evaluate(self, model: nn.Module, step: int) -> dict[str, float]:
+        """validation/loss, validation/perplexity, validation/accuracy (SFT) and validation/time_s, also printed."""
         start = time.perf_counter()
         model.eval()
         # loss sum, target tokens, correct argmax predictions: float64 keeps the counts exact.
@@ -63,6 +64,9 @@ class Validator:
         if self.accuracy:
             record["validation/accuracy"] = correct / max(n_tokens, 1.0)
         record["validation/time_s"] = time.perf_counter() - start
+        accuracy = f"  accuracy {record['validation/accuracy']:.4f}" if self.accuracy else ""
+        info(f"validation step {step}: loss {loss:.4f}  perplexity {record['validation/perplexity']:.2f}"
+             f"{accuracy}  ({record['validation/time_s']:.1f}s)")
         return record
 
     def _sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
