@@ -105,6 +105,14 @@ def test_validation_loss_is_the_same_across_layouts(tmp_path):
         for step in (2, 4):
             assert losses[name][step] == pytest.approx(losses["single"][step], rel=1e-2), (name, step, losses)
     assert losses["single"][4] < losses["single"][2], "held-out loss must fall while training"
+    # Evaluating (a forward without backward between steps) must leave training untouched.
+    plain = tmp_path / "fsdp_without_validation"
+    args, nproc = runs["fsdp"]
+    result = run_train([*args, "--validation.enable", "false", "--job.dump_folder", str(plain)], nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / "fsdp")}
+    untouched = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(plain)}
+    assert sorted(untouched) == [1, 3, 4] and {s: trained[s] for s in untouched} == untouched
 
 
 def test_sft_validation_reports_response_accuracy(tmp_path):
