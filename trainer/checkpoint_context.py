@@ -51,13 +51,14 @@ class CheckpointContext:
         return self.rank == 0
 
     @classmethod
-    def for_run(cls, cfg: Config, model_args: LlamaArgs, ranks: DistInfo, dp: int, tp: int) -> CheckpointContext:
+    def for_run(
+        cls, cfg: Config, model_args: LlamaArgs, ranks: DistInfo, dp: int, tp: int, global_batch: int
+    ) -> CheckpointContext:
         folder = Path(cfg.checkpoint.folder)
-        t = cfg.training
         return cls(
             config=cfg.checkpoint, folder=folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder,
             rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, dp=dp, tp=tp,
-            global_batch=t.batch_size * dp * t.gradient_accumulation_steps, training_steps=t.steps,
+            global_batch=global_batch, training_steps=cfg.training.steps,
             schedule=schedule_values(cfg), optimizer=cfg.optimizer, model_args=model_args,
         )
 

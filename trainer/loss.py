@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-IGNORE_INDEX = -100
+from trainer.data_windows import IGNORE_INDEX
 
 
 def loss_context(vocab_sharded: bool) -> contextlib.AbstractContextManager:

@@ -26,7 +26,7 @@ from trainer.dump import move_previous_records
 from trainer.errors import UserError
 from trainer.float8_training import Float8Training
 from trainer.log import info, warn
-from trainer.loss import cross_entropy_sum, loss_context
+from trainer.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
 from trainer.memory_plan import check_plan
 from trainer.metrics import (
     MetricsLogger,
@@ -113,7 +113,9 @@ class Trainer:
 
         self.checkpointer = CheckpointManager(
             model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
-            train_state=self.state, context=CheckpointContext.for_run(cfg, self.model_args, self.dist, dp, tp),
+            train_state=self.state, context=CheckpointContext.for_run(
+                cfg, self.model_args, self.dist, dp, tp, self.facts.global_batch
+            ),
         )
         self.stop_request = StopRequest(self.device, saving=cfg.checkpoint.enable)
 
@@ -172,7 +174,7 @@ class Trainer:
         # The loss is a mean over every target token of the global batch, so the same
         # step gives the same gradient whatever the DP degree or accumulation split.
         # Counted on the host copies: no device sync.
-        n_local = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        n_local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
         micro_batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         n_tokens = torch.tensor(n_local, device=self.device, dtype=torch.float64)
         dp_group = self.mesh["dp"].get_group()
