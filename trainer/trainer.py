@@ -80,6 +80,9 @@ class Trainer:
         self.mesh = distributed.build_mesh(device_type, dp, tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()
 
+        # One gloo group for the training and held-out loaders: they read in turn, on this thread,
+        # in the same order on every rank.
+        self.data_exchange = world_exchange()
         self.dataloader = self._loader(cfg.data.path, cfg.data.num_workers)
         self.validator = None
         if cfg.validation.enable:
@@ -128,7 +131,7 @@ class Trainer:
             kind=cfg.data.kind, path=path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
             batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=self.dp, seed=cfg.training.seed,
             text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
-            bad_rows=cfg.data.bad_rows, num_workers=num_workers, exchange=world_exchange(),
+            bad_rows=cfg.data.bad_rows, num_workers=num_workers, exchange=self.data_exchange,
             verbose=self.is_main,
         )
 
