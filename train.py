@@ -24,18 +24,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = build_config(argv)
         if cfg.job.dry_run:
-            from trainer.plan import print_plan
+            from trainer.dry_run import print_plan
 
             print_plan(cfg)
             return 0
-        from trainer import distributed, dump
+        from trainer import run_folder
+        from trainer.distributed import process_group
         from trainer.trainer import Trainer
     except UserError as e:
         report(e)
         return e.exit_code
     clean = False
     try:
-        with dump.claim(cfg.job.dump_folder):
+        with run_folder.claim(cfg.job.dump_folder):
             Trainer(cfg).train()
         clean = True
     except UserError as e:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             return UserError.exit_code
         raise
     finally:
-        distributed.shutdown(clean)
+        process_group.shutdown(clean)
     return 0
 
 

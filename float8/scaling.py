@@ -104,7 +104,7 @@ def cast_tensorwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One dynamic scale for the whole tensor: (float8 data, 0-dim fp32 scale)."""
     # abs().max() rather than amax(): selective activation checkpointing policies
-    # (trainer/parallelize.py) key on aten.max to keep these reductions saved.
+    # (trainer/distributed/parallelize.py) key on aten.max to keep these reductions saved.
     scale = amax_to_scale(x.abs().max(), float8_dtype, pow2)
     return cast_with_scale(x, scale, float8_dtype), scale
 

@@ -1,6 +1,6 @@
 """Host time per step of the pretraining data loader at 1, 2 and 8 ranks, before and after sharding.
 
-    git show 7a9870a:trainer/data.py > /tmp/data_before.py        # the loader before sharding
+    git show 7a9870a:trainer/data/loader.py > /tmp/data_before.py        # the loader before sharding
     python scripts/bench_data.py --before /tmp/data_before.py     # ~5 min on 2 cores
 
 Data settings of --config (default configs/7b_fp8.toml: seq_len 4096, batch_size 2 per rank,
@@ -8,7 +8,7 @@ data/corpus, data/tokenizer.model). For N ranks, rank 0 of N runs alone in this 
 on a host with a core for each rank:
 
 * before: the loader of --before, where every rank reads and tokenizes the whole stream;
-* after: the sharded loader (trainer/data.py) with 0, 1 and 2 worker processes. The other
+* after: the sharded loader (trainer/data/loader.py) with 0, 1 and 2 worker processes. The other
   ranks' messages are recorded first (N ranks as threads) and replayed, so rank 0 does its
   own share of the tokenization and the whole merge; the gloo all-gather that the replay
   stands in for is timed on its own, with N processes on this host ("exchange").
@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainer.config import build_config  # noqa: E402
-from trainer.data import build_dataloader  # noqa: E402
-from trainer.data_exchange import ThreadExchange, world_exchange  # noqa: E402
-from trainer.tokenizer import Tokenizer  # noqa: E402
+from trainer.data.exchange import ThreadExchange, world_exchange  # noqa: E402
+from trainer.data.loader import build_dataloader  # noqa: E402
+from trainer.data.tokenizer import Tokenizer  # noqa: E402
 
 
 class CountingTokenizer(Tokenizer):
@@ -183,7 +183,7 @@ def gloo_exchange_ms(n: int, message: Any, rounds: int = 50) -> dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="trainer/data.py before sharding (git show 7a9870a:trainer/data.py)")
+    parser.add_argument("--before", required=True, help="trainer/data/loader.py before sharding (git show 7a9870a:trainer/data/loader.py)")
     parser.add_argument("--config", default="configs/7b_fp8.toml")
     parser.add_argument("--ranks", default="1,2,8")
     parser.add_argument("--workers", default="0,1,2", help="worker processes per rank to time after sharding")

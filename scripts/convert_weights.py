@@ -36,7 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
 from models.llama.weight_conversion import StateDict, WeightsError, check_state_dict
 from models.llama.weight_files import FORMATS, load_tensor_file, read_weights, write_weights
-from trainer.dcp_reader import dcp_model_prefix, dcp_model_shapes, load_dcp_model, read_dcp_metadata
+from trainer.checkpoint.dcp_reader import (
+    dcp_model_prefix,
+    dcp_model_shapes,
+    load_dcp_model,
+    read_dcp_metadata,
+)
 from trainer.errors import UserError
 
 ALL_FORMATS = (*FORMATS, "dcp")

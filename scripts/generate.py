@@ -39,13 +39,13 @@ from models.llama import Transformer  # noqa: E402
 from models.llama.generation import generate, generate_without_cache  # noqa: E402
 from models.llama.weight_conversion import WeightsError  # noqa: E402
 from models.llama.weight_files import read_weights  # noqa: E402
-from trainer.checkpoint_folder import step_folders  # noqa: E402
+from trainer.checkpoint.dcp_reader import load_dcp_model  # noqa: E402
+from trainer.checkpoint.folder import step_folders  # noqa: E402
 from trainer.config import Config, build_config  # noqa: E402
-from trainer.dcp_reader import load_dcp_model  # noqa: E402
+from trainer.data.sft import turn_strings  # noqa: E402
+from trainer.data.tokenizer import Tokenizer  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.model_setup import model_args_for  # noqa: E402
-from trainer.sft_data import turn_strings  # noqa: E402
-from trainer.tokenizer import Tokenizer  # noqa: E402
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

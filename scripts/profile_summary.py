@@ -4,7 +4,7 @@
     python scripts/profile_summary.py bf16/rank-0.json fp8/rank-0.json.gz   # side by side
     python scripts/profile_summary.py --json TRACE.json                     # for machines
 
-Reads Chrome traces as trainer/profiling.py writes them (`--profiling.enable true
+Reads Chrome traces as trainer/metrics/profiling.py writes them (`--profiling.enable true
 --profiling.steps [N]`; `.json` or `.json.gz`). Each GPU kernel is classed by its name
 and by the CPU ops that launched it (the kernel's `correlation` / `External id` lead to
 the launch on its CPU thread, and that thread's enclosing ops give the context):

@@ -2,7 +2,7 @@
 
 Same normalizer and special ids as Meta's ``tokenizer.model`` (unk 0, bos 1,
 eos 2, no pad piece, byte fallback, split digits, dummy prefix, identity
-normalization), so ``trainer.tokenizer.Tokenizer`` treats both alike.
+normalization), so ``trainer.data.tokenizer.Tokenizer`` treats both alike.
 Pretraining rows contribute their ``text``; SFT rows (alpaca or chat)
 contribute their LLaMA-2 chat rendering, so ``[INST]`` and the task words
 become compact pieces. Lines are sentences, so newlines fall back to bytes
@@ -21,9 +21,9 @@ import sentencepiece as spm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.data import BadRow, DataSource
+from trainer.data.loader import BadRow, DataSource
+from trainer.data.sft import SFTOptions, detect_format, parse_row, turn_strings
 from trainer.errors import UserError
-from trainer.sft_data import SFTOptions, detect_format, parse_row, turn_strings
 
 
 def texts(path: str) -> Iterator[str]:

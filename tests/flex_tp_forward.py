@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import distributed
 from trainer.config import build_config
+from trainer.distributed import process_group
+from trainer.distributed.parallelize import PLAIN_TP_STYLES, parallelize_llama
 from trainer.model_setup import build_meta_model, init_weights, model_args_for
-from trainer.parallelize import PLAIN_TP_STYLES, parallelize_llama
 
 
 def main() -> None:
@@ -29,8 +29,8 @@ def main() -> None:
         "--parallelism.tensor_parallel_degree", "2",
         "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "float32",
     ])
-    info = distributed.init_distributed("cpu")
-    mesh = distributed.build_mesh("cpu", 1, 2)
+    info = process_group.init_distributed("cpu")
+    mesh = process_group.build_mesh("cpu", 1, 2)
     torch.manual_seed(0)
     tokens = torch.randint(0, 2048, (2, 256))
     lengths = ([50, 130, 76], [128, 100, 28])

@@ -19,8 +19,8 @@ from models.llama import LlamaArgs, Transformer
 from models.llama.attention import document_block_mask, resolve_attention
 from tests.helpers import ROOT, run_train
 from trainer.config import build_config
+from trainer.distributed.memory_plan import estimate
 from trainer.errors import UserError
-from trainer.memory_plan import estimate
 from trainer.model_setup import model_args_for
 
 ARGS = LlamaArgs(

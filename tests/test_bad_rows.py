@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-import trainer.data
-import trainer.data_source
+import trainer.data.loader
+import trainer.data.source
 from tests.helpers import ROOT, read_metrics, run_train
 from tests.test_faults import SMALL, checkpoints, error_line, ok
-from trainer.data import build_dataloader
+from trainer.data.loader import build_dataloader
+from trainer.data.sft import SFTOptions
+from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
-from trainer.sft_data import SFTOptions
-from trainer.tokenizer import Tokenizer
 
 ALPACA = {"instruction": "Reverse the words.", "input": "cat dog owl", "output": "owl dog cat"}
 BAD_JSON = b'{"text": oops}'
@@ -109,8 +109,8 @@ def test_every_row_bad_is_an_error_even_when_skipping(tok, tmp_path):
 
 def test_a_long_check_reports_progress(tok, tmp_path, monkeypatch, capsys):
     # as if the first row had taken over PROGRESS_AFTER_S, and the rest less than PROGRESS_EVERY_S
-    monkeypatch.setattr(trainer.data_source, "PROGRESS_AFTER_S", 0.0)
-    monkeypatch.setattr(trainer.data_source, "PROGRESS_EVERY_S", 3600.0)
+    monkeypatch.setattr(trainer.data.source, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(trainer.data.source, "PROGRESS_EVERY_S", 3600.0)
     data = write_rows(tmp_path / "d.jsonl", 300, {})
     loader(tok, data, verbose=True)
     out = capsys.readouterr().out.splitlines()
@@ -228,7 +228,7 @@ def test_stream_state_counts_each_pass(tok, tmp_path, monkeypatch):
     # Unchecked data (over the limit) skips as it streams, with the same counts as checked data.
     data = bad_stream(tmp_path)
     checked = loader(tok, data, batch_size=4, bad_rows="skip")
-    monkeypatch.setattr(trainer.data, "VALIDATE_MAX_BYTES", 0)
+    monkeypatch.setattr(trainer.data.loader, "VALIDATE_MAX_BYTES", 0)
     streamed = loader(tok, data, batch_size=4, bad_rows="skip")
     assert take(streamed, 30) == take(checked, 30)
     assert streamed.dataset.stats() == checked.dataset.stats()

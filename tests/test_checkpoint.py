@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from tests.helpers import ROOT, free_port, read_metrics, run_train
-from trainer.dcp_reader import read_dcp_metadata
+from trainer.checkpoint.dcp_reader import read_dcp_metadata
 from trainer.errors import UserError
 
 # warmup_steps = 10 makes the learning rate of steps 1..10 independent of training.steps, so
@@ -154,9 +154,9 @@ def test_load_step_resumes_an_older_async_checkpoint(ref1, tmp_path):
 _STALL_IN_SAVE = """
 import sys, time
 import train
-from trainer import checkpoint
+from trainer.checkpoint import manager
 
-owner, name = (checkpoint.dcp, "save") if sys.argv[1] == "write" else (checkpoint.CheckpointManager, "_publish")
+owner, name = (manager.dcp, "save") if sys.argv[1] == "write" else (manager.CheckpointManager, "_publish")
 real = getattr(owner, name)
 
 def stall(*args, **kwargs):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_train
-from trainer import checksums
-from trainer.checkpoint_folder import checkpoint_bytes, checkpoints_to_hold, format_bytes
+from trainer.checkpoint import checksums
+from trainer.checkpoint.folder import checkpoint_bytes, checkpoints_to_hold, format_bytes
 from trainer.config import build_config
 from trainer.model_setup import build_meta_model, model_args_for
 

@@ -17,14 +17,14 @@ from safetensors.torch import load_file
 
 from models.llama import LLAMA2_FLAVORS, Transformer
 from tests.helpers import ROOT
-from trainer.checkpoint import CheckpointManager
-from trainer.checkpoint_context import CheckpointContext
-from trainer.checkpoint_schema import schedule_values
+from trainer.checkpoint.context import CheckpointContext
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.schema import schedule_values
 from trainer.config import CheckpointConfig, Config, OptimizerConfig
-from trainer.data import build_dataloader
+from trainer.data.loader import build_dataloader
+from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.tokenizer import Tokenizer
 from trainer.train_state import TrainState
 
 ARGS = dataclasses.replace(LLAMA2_FLAVORS["debug"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2)

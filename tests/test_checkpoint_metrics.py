@@ -8,7 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import read_metrics
-from trainer.metrics import MetricsLogger, StepTimer
+from trainer.metrics.logger import MetricsLogger, StepTimer
 
 
 def _log(logger: MetricsLogger, steps: range, loss: float) -> None:

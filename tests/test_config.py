@@ -16,7 +16,7 @@ from trainer.config import (
     load_toml,
     to_toml,
 )
-from trainer.config_schema import field_types
+from trainer.config.schema import field_types
 from trainer.errors import UserError
 from trainer.model_setup import model_args_for
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import build_dataloader
+from trainer.data.loader import build_dataloader
+from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
-from trainer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

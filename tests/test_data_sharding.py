@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import trainer.data
+import trainer.data.loader
 from trainer.config import build_config
-from trainer.data import build_dataloader
-from trainer.data_exchange import ThreadExchange, world_exchange
-from trainer.data_sharding import BLOCK_ROWS, Block, Failure, merged_rows
+from trainer.data.exchange import ThreadExchange, world_exchange
+from trainer.data.loader import build_dataloader
+from trainer.data.sharding import BLOCK_ROWS, Block, Failure, merged_rows
+from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
-from trainer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "data" / "tokenizer.model")
@@ -183,7 +183,7 @@ def test_resume_with_workers_is_bitwise(tok, tmp_path):
 
 def test_a_bad_row_stops_every_rank_at_the_same_batch(tok, tmp_path, monkeypatch):
     # unchecked data: the row is met as the stream reaches it; row 21 is rank 1's to read
-    monkeypatch.setattr(trainer.data, "VALIDATE_MAX_BYTES", 0)
+    monkeypatch.setattr(trainer.data.loader, "VALIDATE_MAX_BYTES", 0)
     data = write_docs(tmp_path / "d.jsonl", 60, {21: '{"text": 3}'})
 
     def rank(r: int, exchange) -> tuple[int, str]:
@@ -202,7 +202,7 @@ def test_a_bad_row_stops_every_rank_at_the_same_batch(tok, tmp_path, monkeypatch
 
 def test_what_a_worker_cannot_read_is_one_line(tok, tmp_path, monkeypatch):
     # not DataLoader's multi-line "Caught UserError in DataLoader worker process 0 ..."
-    monkeypatch.setattr(trainer.data, "VALIDATE_MAX_BYTES", 0)
+    monkeypatch.setattr(trainer.data.loader, "VALIDATE_MAX_BYTES", 0)
     data = write_docs(tmp_path / "d.jsonl", 60, {21: "{oops"})
     it = iter(loader(tok, data, num_workers=2))
     with pytest.raises(UserError, match=rf"^{re.escape(str(data))}:22: not valid JSON \(JSONDecodeError: [^\n]*\)$"):

@@ -17,13 +17,13 @@ from torch import nn
 
 from tests.helpers import run_train
 from tests.test_checkpoint import one_error_line as error_line
-from trainer.checkpoint_state import nonfinite_weights
+from trainer.checkpoint.state import nonfinite_weights
 from trainer.config import build_config
-from trainer.dump import acquire_lock, move_previous_records, release_lock
 from trainer.errors import UserError, process_start_time
-from trainer.metrics import MetricsLogger
+from trainer.metrics.logger import MetricsLogger
 from trainer.model_setup import model_args_for
 from trainer.optim import lr_multiplier
+from trainer.run_folder import acquire_lock, move_previous_records, release_lock
 
 SMALL = [
     "--model.n_layers", "1", "--training.seq_len", "32", "--training.batch_size", "2",

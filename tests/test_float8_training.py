@@ -12,9 +12,9 @@ from float8.tp import Float8ColwiseParallel
 from models.llama import LLAMA2_FLAVORS
 from trainer import float8_training
 from trainer.config import Config, Float8TrainingConfig
+from trainer.distributed.parallelize import PLAIN_TP_STYLES
 from trainer.float8_training import Float8Training, NoFloat8Training
 from trainer.model_setup import build_meta_model
-from trainer.parallelize import PLAIN_TP_STYLES
 
 CPU = torch.device("cpu")
 

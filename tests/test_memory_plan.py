@@ -1,4 +1,4 @@
-"""trainer/memory_plan.py: the estimate against GPU measurements, and plans refused before the model is built."""
+"""trainer/distributed/memory_plan.py: the estimate against GPU measurements, and plans refused before the model is built."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch
 from models.llama.args import LLAMA2_FLAVORS
 from tests.helpers import run_train
 from trainer.config import build_config
-from trainer.errors import UserError
-from trainer.memory_plan import (
+from trainer.distributed.memory_plan import (
     GIB,
     capacity,
     check_plan,
@@ -22,6 +21,7 @@ from trainer.memory_plan import (
     fit_error,
     n_params,
 )
+from trainer.errors import UserError
 from trainer.model_setup import model_args_for
 from trainer.precision import resolve_param_precision
 
@@ -88,7 +88,7 @@ def test_refusal_is_one_line_with_the_numbers():
 def test_check_plan_raises_a_user_error(monkeypatch):
     cfg = build_config(["--config", "configs/debug.toml", "--training.seq_len", "100000", "--model.max_seq_len", "100000"])
     args = model_args_for(cfg, None)
-    monkeypatch.setattr("trainer.memory_plan.capacity", lambda device: ("this host", 16 * GIB))
+    monkeypatch.setattr("trainer.distributed.memory_plan.capacity", lambda device: ("this host", 16 * GIB))
     with pytest.raises(UserError, match=r"needs about \d+\.\d GiB per GPU .* but this host has 16\.0 GiB"):
         check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32")
     est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", refuse=False)

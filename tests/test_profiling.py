@@ -1,4 +1,4 @@
-"""trainer/profiling.py: traces only the chosen steps, as Chrome-trace JSON, from a real run too."""
+"""trainer/metrics/profiling.py: traces only the chosen steps, as Chrome-trace JSON, from a real run too."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import run_train
 from trainer.config import ProfilingConfig
-from trainer.profiling import StepProfiler
+from trainer.metrics.profiling import StepProfiler
 
 
 def _trace(path) -> dict:

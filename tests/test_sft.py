@@ -12,10 +12,8 @@ import torch.nn.functional as F
 
 from models.llama import LLAMA2_FLAVORS, Transformer
 from trainer.config import DataConfig
-from trainer.data import build_dataloader
-from trainer.data_windows import IGNORE_INDEX
-from trainer.errors import UserError
-from trainer.sft_data import (
+from trainer.data.loader import build_dataloader
+from trainer.data.sft import (
     SFTOptions,
     detect_format,
     load_sft_rows,
@@ -24,7 +22,9 @@ from trainer.sft_data import (
     render_prompt,
     tokenize_dialog,
 )
-from trainer.tokenizer import Tokenizer
+from trainer.data.tokenizer import Tokenizer
+from trainer.data.windows import IGNORE_INDEX
+from trainer.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 SYS = "You are terse."

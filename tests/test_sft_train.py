@@ -21,9 +21,9 @@ from scripts import eval_sft
 from scripts.generate import chat_prompt, generate
 from tests.helpers import ROOT, read_metrics, run_train
 from trainer.config import build_config
-from trainer.data import IGNORE_INDEX, build_dataloader
-from trainer.sft_data import load_sft_rows, reference_answer
-from trainer.tokenizer import Tokenizer
+from trainer.data.loader import IGNORE_INDEX, build_dataloader
+from trainer.data.sft import load_sft_rows, reference_answer
+from trainer.data.tokenizer import Tokenizer
 from trainer.trainer import sft_options
 
 SFT = "configs/debug_sft.toml"

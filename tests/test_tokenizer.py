@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
-from trainer.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "data" / "tokenizer.model"

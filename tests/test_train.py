@@ -4,7 +4,7 @@ import json
 import math
 
 from tests.helpers import read_metrics, run_train
-from trainer.metrics import METRIC_KEYS
+from trainer.metrics.logger import METRIC_KEYS
 from trainer.precision import resolve_param_precision
 
 

@@ -15,7 +15,7 @@ import torch
 from models.llama import LLAMA2_FLAVORS, Transformer
 from models.llama.weight_files import read_weights, write_hf
 from tests.helpers import ROOT, read_metrics, run_train
-from trainer.dcp_reader import load_dcp_model
+from trainer.checkpoint.dcp_reader import load_dcp_model
 
 # The debug flavour cut to 2 layers, trained on tiny batches: seconds per run.
 ARGS = dataclasses.replace(LLAMA2_FLAVORS["debug"], n_layers=2)

@@ -1,7 +1,7 @@
 """train.py without the up-front data check, to exercise bad rows met mid-run.
 
 Launched in place of train.py by ``run_train(..., script="tests/train_unvalidated.py")``:
-with ``trainer.data.VALIDATE_MAX_BYTES = 0`` local data is treated as data over the limit,
+with ``trainer.data.loader.VALIDATE_MAX_BYTES = 0`` local data is treated as data over the limit,
 so a bad row is found only when the stream reaches it.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import trainer.data  # noqa: E402
+import trainer.data.loader  # noqa: E402
 
-trainer.data.VALIDATE_MAX_BYTES = 0
+trainer.data.loader.VALIDATE_MAX_BYTES = 0
 sys.argv = [str(ROOT / "train.py"), *sys.argv[1:]]
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -24,7 +24,7 @@ from float8.scaling import casts_compiled_in_eager
 from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from trainer.advisor import advise
 from trainer.config import Config, Float8TrainingConfig
-from trainer.parallelize import PLAIN_TP_STYLES, TPStyles
+from trainer.distributed.parallelize import PLAIN_TP_STYLES, TPStyles
 
 # The float8 gathers hand local tensors to the float8 colwise linears (float8/tp.py).
 FLOAT8_TP_STYLES = TPStyles(

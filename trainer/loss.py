@@ -1,7 +1,7 @@
 """The training loss: cross-entropy summed over target tokens, for whole or vocab-sharded logits.
 
 With tensor parallelism and `parallelism.loss_parallel` the output projection leaves the
-logits as a DTensor sharded on the vocab dim (trainer/parallelize.py). Under
+logits as a DTensor sharded on the vocab dim (trainer/distributed/parallelize.py). Under
 `torch.distributed.tensor.parallel.loss_parallel` the cross-entropy then reduces the
 softmax statistics across the TP ranks instead of gathering (batch x seq x vocab) logits
 on every rank; its backward must run under the same context, hence `loss_context`.
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from trainer.data_windows import IGNORE_INDEX
+from trainer.data.windows import IGNORE_INDEX
 
 
 def loss_context(vocab_sharded: bool) -> contextlib.AbstractContextManager:

@@ -11,7 +11,7 @@ from torch import nn
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
 from models.llama.attention import resolve_attention
 from trainer.config import Config
-from trainer.distributed import pick_device_type
+from trainer.distributed.process_group import pick_device_type
 from trainer.errors import UserError
 
 

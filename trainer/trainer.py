@@ -16,19 +16,21 @@ import torch
 import torch.distributed as dist
 
 from models.llama import num_params
-from trainer import distributed
-from trainer.checkpoint import CheckpointManager
-from trainer.checkpoint_context import CheckpointContext
+from trainer.checkpoint.context import CheckpointContext
+from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Config, check_layout, to_toml
-from trainer.data import build_dataloader
-from trainer.data_exchange import world_exchange
-from trainer.dump import move_previous_records
+from trainer.data.exchange import world_exchange
+from trainer.data.loader import build_dataloader
+from trainer.data.sft import SFTOptions
+from trainer.data.tokenizer import Tokenizer
+from trainer.distributed import process_group
+from trainer.distributed.memory_plan import check_plan
+from trainer.distributed.parallelize import parallelize_llama
 from trainer.errors import UserError
 from trainer.float8_training import Float8Training
 from trainer.log import info, warn
 from trainer.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
-from trainer.memory_plan import check_plan
-from trainer.metrics import (
+from trainer.metrics.logger import (
     MetricsLogger,
     StepTimer,
     flops_per_token,
@@ -36,14 +38,12 @@ from trainer.metrics import (
     memory_stats,
     reset_peak_memory,
 )
+from trainer.metrics.profiling import StepProfiler
 from trainer.model_setup import build_meta_model, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.parallelize import parallelize_llama
 from trainer.precision import resolve_param_precision
-from trainer.profiling import StepProfiler
 from trainer.run_facts import RunFacts, startup_summary
-from trainer.sft_data import SFTOptions
-from trainer.tokenizer import Tokenizer
+from trainer.run_folder import move_previous_records
 from trainer.train_state import StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
 
@@ -57,7 +57,7 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        device_type = distributed.pick_device_type(cfg.training.device)
+        device_type = process_group.pick_device_type(cfg.training.device)
         if device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("training.device = 'cuda' but no CUDA device is available")
         # Resolved in the config itself, so config.toml records the dtype the run uses.
@@ -67,17 +67,17 @@ class Trainer:
         # fails on every rank before any rank waits for the others.
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args_for(cfg, self.tokenizer.n_words)
-        dp, tp = check_layout(cfg, distributed.planned_world_size(), self.model_args.n_heads, self.model_args.n_kv_heads)
+        dp, tp = check_layout(cfg, process_group.planned_world_size(), self.model_args.n_heads, self.model_args.n_kv_heads)
         self.dp, self.tp = dp, tp
         self.vocab_sharded_logits = tp > 1 and cfg.parallelism.loss_parallel
-        self.dist = distributed.init_distributed(device_type)
+        self.dist = process_group.init_distributed(device_type)
         self.device = self.dist.device
         self.is_main = self.dist.is_main
         # Before the data is read and any weight allocated: a plan whose memory cannot fit is
-        # refused with the numbers (trainer/memory_plan.py).
+        # refused with the numbers (trainer/distributed/memory_plan.py).
         self.memory, _ = check_plan(cfg, self.model_args, self.device, dp, tp, cfg.training.mixed_precision_param)
         seed_everything(cfg.training.seed, cfg.training.deterministic)
-        self.mesh = distributed.build_mesh(device_type, dp, tp)
+        self.mesh = process_group.build_mesh(device_type, dp, tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()
 
         # One gloo group for the training and held-out loaders: they read in turn, on this thread,
@@ -98,7 +98,7 @@ class Trainer:
         self.float8 = Float8Training.from_config(cfg, device_type)
         self.float8.convert(model)
         self.facts = RunFacts.for_run(
-            cfg, distributed.planned_world_size(), dp, tp, self.param_precision.dtype, num_params(model),
+            cfg, process_group.planned_world_size(), dp, tp, self.param_precision.dtype, num_params(model),
             flops_per_token(num_params(model, exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
                             cfg.training.seq_len),
         )
@@ -233,7 +233,7 @@ class Trainer:
     def _stop_on_data_error(self, error: UserError, first_step: int) -> None:
         """Save the last completed step, then stop naming the step whose batches hit the bad row.
 
-        Every rank learns of each row in the same exchange round (trainer/data.py), so all ranks meet
+        Every rank learns of each row in the same exchange round (trainer/data/loader.py), so all ranks meet
         the row together and save together.
         """
         step = self.state.step

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from models.llama import LlamaArgs
 from models.llama.weight_conversion import WeightsError
 from models.llama.weight_files import read_weights
-from trainer.dcp_reader import check_model_keys, load_dcp_model
+from trainer.checkpoint.dcp_reader import check_model_keys, load_dcp_model
 from trainer.errors import UserError
 from trainer.log import info
 

@@ -2,7 +2,7 @@
 
 DCP holds only tensors, in fully qualified names independent of the layout, so a checkpoint
 resumes under another DP degree. The optimizer's param_groups (hyperparameters and the current
-lr) are not tensors and go to extra.json (trainer/checkpoint_schema.py): DCP would pickle them.
+lr) are not tensors and go to extra.json (trainer/checkpoint/schema.py): DCP would pickle them.
 """
 
 from __future__ import annotations

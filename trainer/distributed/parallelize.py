@@ -175,7 +175,7 @@ def _full_ac_context():
 
 
 # AOT autograd's cache skips graphs whose checkpoint context_fn has no stable hash.
-_full_ac_context.cache_hash = "trainer.parallelize._full_ac_context: recompute every op"
+_full_ac_context.cache_hash = "trainer.distributed.parallelize._full_ac_context: recompute every op"
 
 
 def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:

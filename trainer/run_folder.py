@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from trainer.dcp_reader import describe_error
+from trainer.checkpoint.dcp_reader import describe_error
 from trainer.errors import UserError, process_start_time
 from trainer.log import warn
 

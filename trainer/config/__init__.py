@@ -1,9 +1,9 @@
-"""The config API: the schema (trainer/config_schema.py), loading (config_loader), checks
+"""The config API: the schema (trainer/config/schema.py), loading (config_loader), checks
 (config_checks) and the TOML writer (config_toml), under one import for callers."""
 
-from trainer.config_checks import check_layout, validate
-from trainer.config_loader import DEFAULT_CONFIG, build_config, help_text, load_toml, parse_cli
-from trainer.config_schema import (
+from trainer.config.checks import check_layout, validate
+from trainer.config.loader import DEFAULT_CONFIG, build_config, help_text, load_toml, parse_cli
+from trainer.config.schema import (
     SECTIONS,
     ActivationCheckpointConfig,
     ActivationCheckpointMode,
@@ -26,7 +26,7 @@ from trainer.config_schema import (
     ValidationConfig,
     choices_of,
 )
-from trainer.config_toml import to_toml
+from trainer.config.toml_writer import to_toml
 
 __all__ = [
     "DEFAULT_CONFIG", "SECTIONS", "ActivationCheckpointConfig", "ActivationCheckpointMode", "CheckpointConfig",

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.checkpoint_context import first_problem
-from trainer.dcp_reader import describe_error
+from trainer.checkpoint.context import first_problem
+from trainer.checkpoint.dcp_reader import describe_error
 from trainer.errors import UserError
 
 RNG_FOLDER = "rng"

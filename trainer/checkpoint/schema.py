@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.dcp_reader import describe_error
 from trainer.config import Config
-from trainer.dcp_reader import describe_error
 from trainer.errors import UserError
 
 EXTRA_FILE = "extra.json"

@@ -20,19 +20,19 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LRScheduler
 
-from trainer import checksums
-from trainer.checkpoint_context import CheckpointContext, TrainProgress
-from trainer.checkpoint_folder import older_hint, step_of
-from trainer.checkpoint_rng import read_rng, restore_rng
-from trainer.checkpoint_schema import check_extra, param_groups_from_json, read_extra
-from trainer.checkpoint_state import MODEL_PREFIX, ModelAndOptimizer
-from trainer.dcp_reader import (
+from trainer.checkpoint import checksums
+from trainer.checkpoint.context import CheckpointContext, TrainProgress
+from trainer.checkpoint.dcp_reader import (
     SafeFileSystemReader,
     check_model_keys,
     dcp_model_shapes,
     describe_error,
     read_dcp_metadata,
 )
+from trainer.checkpoint.folder import older_hint, step_of
+from trainer.checkpoint.rng import read_rng, restore_rng
+from trainer.checkpoint.schema import check_extra, param_groups_from_json, read_extra
+from trainer.checkpoint.state import MODEL_PREFIX, ModelAndOptimizer
 from trainer.errors import UserError
 from trainer.log import info, warn
 

@@ -1,7 +1,7 @@
 """Pretraining rows tokenized once across the run: each rank its share, in worker processes.
 
 Row ``i`` of an epoch is parsed and tokenized by participant ``i % size`` of the exchange
-(``trainer.data_exchange``); every other participant only counts it. ``ShareReader``
+(``trainer.data.exchange``); every other participant only counts it. ``ShareReader``
 produces a participant's share in blocks of ``BLOCK_ROWS`` rows, in ``num_workers``
 worker processes ahead of use (or inline with 0). ``merged_rows`` then puts the stream
 back together in rounds: each participant sends the entries of its rows in the round,
@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from trainer.data_exchange import Exchange
-from trainer.data_source import BadRow, DataSource, Location, Row
+from trainer.data.exchange import Exchange
+from trainer.data.source import BadRow, DataSource, Location, Row
+from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
-from trainer.tokenizer import Tokenizer
 
 # Rows of one participant per worker item: large enough that passing items between
 # processes (a fraction of a millisecond each) stays small next to tokenizing them, small

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from models.llama import LlamaArgs
-from trainer.checkpoint_schema import schedule_values
+from trainer.checkpoint.schema import schedule_values
 from trainer.config import CheckpointConfig, Config, OptimizerConfig
-from trainer.distributed import DistInfo
+from trainer.distributed.process_group import DistInfo
 
 
 class TrainProgress(Protocol):

@@ -19,9 +19,9 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-from trainer.config_checks import did_you_mean, validate
-from trainer.config_schema import SECTIONS, Config, field_types
-from trainer.config_toml import toml_value
+from trainer.config.checks import did_you_mean, validate
+from trainer.config.schema import SECTIONS, Config, field_types
+from trainer.config.toml_writer import toml_value
 from trainer.errors import UserError
 
 DEFAULT_CONFIG = "configs/debug.toml"

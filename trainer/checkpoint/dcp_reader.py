@@ -2,7 +2,7 @@
 
 DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` and its default
 planner loads non-tensor ("bytes") entries with ``torch.load(weights_only=False)``. Our
-checkpoints hold only tensors (non-tensor state is JSON, see ``trainer/checkpoint_schema.py``):
+checkpoints hold only tensors (non-tensor state is JSON, see ``trainer/checkpoint/schema.py``):
 :class:`SafeFileSystemReader` unpickles the metadata through an allowlist and refuses a
 checkpoint with any non-tensor entry, so reading a checkpoint never runs code from the file.
 """
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from trainer.errors import UserError
 
-# Keys of the model inside our DCP checkpoints (see trainer/checkpoint_state.py). Model-only
+# Keys of the model inside our DCP checkpoints (see trainer/checkpoint/state.py). Model-only
 # DCP checkpoints (e.g. torchtitan's seed checkpoints) store the model keys bare.
 DCP_MODEL_PREFIXES = ("app.model.", "model.", "")
 

@@ -12,7 +12,7 @@ Prompt and reply are tokenized separately (``"[INST] ... [/INST]"`` and
 ``"{reply} "``); SentencePiece never merges across the space between them, so the
 tokens equal Meta's and the reply boundary is exact.
 
-Windows for the data-parallel scheme of ``trainer.data_windows`` are samples (unpacked)
+Windows for the data-parallel scheme of ``trainer.data.windows`` are samples (unpacked)
 or packed rows (``pack=True``), numbered in the per-epoch sample order, which a
 seeded shuffle makes the same for every dp degree.
 """
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from trainer.data_sft_options import SFTOptions
-from trainer.data_source import BadRow, DataSource, Progress, skip_warning
-from trainer.data_windows import IGNORE_INDEX, WindowDataset
+from trainer.data.sft_options import SFTOptions
+from trainer.data.source import BadRow, DataSource, Progress, skip_warning
+from trainer.data.tokenizer import Tokenizer
+from trainer.data.windows import IGNORE_INDEX, WindowDataset
 from trainer.errors import UserError
 from trainer.log import warn
-from trainer.tokenizer import Tokenizer
 
 B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"

@@ -4,19 +4,19 @@ Layout under ``checkpoint.folder``::
 
     step-N/            a complete checkpoint: DCP shards + .metadata, extra.json, rng/, checksums.json
     step-N.partial/    being written; never loaded, removed at startup and by the next save
-    final/             model-only export (model.safetensors + params.json, trainer/export.py)
+    final/             model-only export (model.safetensors + params.json, trainer/checkpoint/export.py)
 
 A checkpoint becomes visible only by the rename of ``step-N.partial`` to ``step-N``,
 done by rank 0 after every rank finished writing, so a process killed mid-save
-leaves the previous checkpoint as the latest complete one (trainer/checkpoint_folder.py).
+leaves the previous checkpoint as the latest complete one (trainer/checkpoint/folder.py).
 A ``step-N`` folder that is not loadable is therefore damage, and is reported instead of
-skipped (trainer/checkpoint_load.py).
+skipped (trainer/checkpoint/load.py).
 
-DCP holds only tensors (trainer/checkpoint_state.py); everything else is JSON in
-``extra.json`` (trainer/checkpoint_schema.py) and RNG states are safetensors
-(trainer/checkpoint_rng.py), so loading never unpickles anything.
+DCP holds only tensors (trainer/checkpoint/state.py); everything else is JSON in
+``extra.json`` (trainer/checkpoint/schema.py) and RNG states are safetensors
+(trainer/checkpoint/rng.py), so loading never unpickles anything.
 
-``checksums.json`` (see ``trainer/checksums.py``) lists every file's CRC-32, computed once
+``checksums.json`` (see ``trainer/checkpoint/checksums.py``) lists every file's CRC-32, computed once
 every rank finished writing and before the rename, and checked before a resume loads any
 tensor. A save that fails (a full disk, any I/O error) removes its partial folder and
 stops the run with one line; the earlier checkpoints stay as they were.
@@ -38,9 +38,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LRScheduler
 
-from trainer import checksums
-from trainer.checkpoint_context import CheckpointContext, TrainProgress, first_problem
-from trainer.checkpoint_folder import (
+from trainer.checkpoint import checksums
+from trainer.checkpoint.context import CheckpointContext, TrainProgress, first_problem
+from trainer.checkpoint.dcp_reader import describe_error
+from trainer.checkpoint.export import export_final
+from trainer.checkpoint.folder import (
     checkpoint_bytes,
     format_bytes,
     free_bytes,
@@ -50,14 +52,12 @@ from trainer.checkpoint_folder import (
     step_folders,
     warn_if_short_of_space,
 )
-from trainer.checkpoint_load import load_checkpoint
-from trainer.checkpoint_rng import save_rng
-from trainer.checkpoint_schema import EXTRA_FILE
-from trainer.checkpoint_state import ModelAndOptimizer, nonfinite_weights
-from trainer.dcp_reader import describe_error
+from trainer.checkpoint.initial_weights import load_initial_weights
+from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.rng import save_rng
+from trainer.checkpoint.schema import EXTRA_FILE
+from trainer.checkpoint.state import ModelAndOptimizer, nonfinite_weights
 from trainer.errors import UserError
-from trainer.export import export_final
-from trainer.initial_weights import load_initial_weights
 from trainer.log import info, warn
 
 

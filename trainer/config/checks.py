@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from trainer.config_schema import SECTIONS, Config
+from trainer.config.schema import SECTIONS, Config
 from trainer.errors import UserError
 
 

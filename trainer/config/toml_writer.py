@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from trainer.config_schema import Config
+from trainer.config.schema import Config
 
 
 def toml_value(value: Any) -> str:

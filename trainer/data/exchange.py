@@ -1,6 +1,6 @@
 """How the processes of a run share what each of them read: one all-gather per round of rows.
 
-Every rank reads and tokenizes a share of the rows (``trainer.data_sharding``) and sends
+Every rank reads and tokenizes a share of the rows (``trainer.data.sharding``) and sends
 the result to all the others, so each rank ends up with the whole stream having done
 1/world of the work. An ``Exchange`` is the group of participants doing that: the ranks
 of a run over a gloo group (``world_exchange``), one process alone (``LocalExchange``),

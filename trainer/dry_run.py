@@ -8,10 +8,10 @@ import torch
 
 from models.llama import num_params
 from trainer.config import Config, check_layout
+from trainer.distributed.memory_plan import check_plan
 from trainer.float8_training import Float8Training
 from trainer.log import info
-from trainer.memory_plan import check_plan
-from trainer.metrics import flops_per_token
+from trainer.metrics.logger import flops_per_token
 from trainer.model_setup import build_meta_model, model_args_for
 from trainer.precision import resolve_param_precision
 from trainer.run_facts import RunFacts

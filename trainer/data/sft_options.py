@@ -1,4 +1,4 @@
-"""The SFT keys of the [data] section, as the options of the SFT reader (``trainer.sft_data``)."""
+"""The SFT keys of the [data] section, as the options of the SFT reader (``trainer.data.sft``)."""
 
 import dataclasses
 from dataclasses import dataclass

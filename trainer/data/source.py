@@ -2,7 +2,7 @@
 
 A row that cannot be read comes as a ``BadRow`` in its place, so the consumer decides
 whether to stop or skip it and row numbers stay those of the file. Shared by
-pretraining (``trainer.data``) and SFT (``trainer.sft_data``).
+pretraining (``trainer.data.loader``) and SFT (``trainer.data.sft``).
 """
 
 import json
@@ -12,7 +12,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from trainer.config_schema import DataFormat
+from trainer.config.schema import DataFormat
 from trainer.errors import UserError
 from trainer.log import info
 

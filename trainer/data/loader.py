@@ -1,15 +1,15 @@
 """Pretraining data: documents -> tokens -> packed windows -> per-rank micro-batches.
 
 Every step takes the same global windows whatever the data-parallel degree, and the
-loader state is global (``trainer.data_windows``).
+loader state is global (``trainer.data.windows``).
 
 Who tokenizes what. Documents are packed into ``seq_len + 1`` windows across document
 boundaries, so where window k starts depends on the token count of every document
 before it: a rank cannot find its own windows without the lengths of everyone else's.
 So each rank of the run tokenizes only every world-th row, in ``data.num_workers``
-worker processes ahead of use (``trainer.data_sharding``), and the ranks swap the
+worker processes ahead of use (``trainer.data.sharding``), and the ranks swap the
 resulting tokens, one gloo all-gather per round of rows, about one round per
-micro-batch (``trainer.data_exchange``). Every rank then holds the whole stream having
+micro-batch (``trainer.data.exchange``). Every rank then holds the whole stream having
 tokenized 1/world of it, and cuts the same windows as a single reader would, keeping
 its own. The training thread only exchanges and cuts.
 
@@ -31,7 +31,7 @@ The trade-offs:
   prefetched beyond it are read again after a resume.
 
 A process that is no rank of a run (tests, scripts) reads alone: each simulated rank
-tokenizes the whole stream. SFT data (``trainer.sft_data``) is small, read whole up
+tokenizes the whole stream. SFT data (``trainer.data.sft``) is small, read whole up
 front on every rank and tokenized as it is used.
 """
 
@@ -43,10 +43,11 @@ from collections.abc import Iterator
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from trainer.config_schema import DataKind
-from trainer.data_exchange import Exchange, LocalExchange
-from trainer.data_sft_options import SFTOptions
-from trainer.data_sharding import (
+from trainer.config.schema import DataKind
+from trainer.data.exchange import Exchange, LocalExchange
+from trainer.data.sft import SFTDataset
+from trainer.data.sft_options import SFTOptions
+from trainer.data.sharding import (
     BadDoc,
     EpochEnd,
     ShareReader,
@@ -54,14 +55,13 @@ from trainer.data_sharding import (
     read_share,
     text_problem,
 )
-from trainer.data_source import BadRow as BadRow  # scripts import it from here
-from trainer.data_source import DataSource, Progress, skip_warning
-from trainer.data_windows import IGNORE_INDEX as IGNORE_INDEX  # tests import it from here
-from trainer.data_windows import WindowDataset
+from trainer.data.source import BadRow as BadRow  # scripts import it from here
+from trainer.data.source import DataSource, Progress, skip_warning
+from trainer.data.tokenizer import Tokenizer
+from trainer.data.windows import IGNORE_INDEX as IGNORE_INDEX  # tests import it from here
+from trainer.data.windows import WindowDataset
 from trainer.errors import UserError
 from trainer.log import warn
-from trainer.sft_data import SFTDataset
-from trainer.tokenizer import Tokenizer
 
 KINDS = typing.get_args(DataKind)
 BAD_ROWS = ("error", "skip")
