@@ -38,9 +38,9 @@ def main() -> None:
     position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
     logits = {}
     for attention in ("sdpa", "flex"):
-        args = dataclasses.replace(model_args_for(cfg, None), attention=attention)
+        args = dataclasses.replace(model_args_for(cfg, None, "cpu"), attention=attention)
         model = parallelize_llama(build_meta_model(args), mesh, cfg, PLAIN_TP_STYLES)
-        init_weights(model, args, cfg, info.device)
+        init_weights(model, args, cfg.training.seed, info.device)
         with torch.no_grad():
             out = model(tokens, position_ids, document_ids)
         logits[attention] = out.full_tensor() if hasattr(out, "full_tensor") else out

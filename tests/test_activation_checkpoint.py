@@ -24,7 +24,8 @@ from float8 import Float8Config, convert_to_float8_training
 from models.llama import LlamaArgs
 from models.llama.model import TransformerBlock, precompute_rope
 from tests.helpers import cpu_float8_emulated
-from trainer.distributed.parallelize import apply_ac, apply_compile
+from trainer.distributed.activation_checkpoint import apply_ac
+from trainer.distributed.parallelize import apply_compile
 
 BACKEND = "aot_eager_decomp_partition"
 B, S = 2, 128

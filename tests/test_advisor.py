@@ -1,4 +1,4 @@
-"""trainer/advisor.py: every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
+"""The float8 advice (trainer/float8_training.py): every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,20 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, run_train
-from trainer import advisor
-from trainer.advisor import MIN_FLOAT8_TOKENS, advise
+from trainer import float8_training
 from trainer.config import Config
 from trainer.errors import UserError
+from trainer.float8_training import MIN_FLOAT8_TOKENS, Float8RunContext
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
+
+
+def advise(
+    cfg: Config, device: torch.device, float8_report: object = None, dp_degree: int = 1, tp_degree: int = 1
+) -> list[str]:
+    run = Float8RunContext.for_run(cfg, device.type, "bfloat16")
+    return float8_training.advise(cfg.float8, run, device, float8_report, dp_degree, tp_degree)
 
 
 def _cfg(**float8: object) -> Config:
@@ -88,7 +95,7 @@ def test_float8_gpu_is_accepted(fake_gpu):
     cfg = _cfg()
     cfg.training.batch_size, cfg.training.seq_len = 2, 4096
     assert advise(cfg, CUDA) == []
-    assert advisor.float8_gemm_supported(CUDA)
+    assert float8_training.float8_gemm_supported(CUDA)
 
 
 def test_tiny_gemms_on_gpu(fake_gpu):
@@ -108,7 +115,7 @@ def test_tiny_gemms_on_gpu(fake_gpu):
 @pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
 def test_fsdp_float8_all_gather_with_rowwise(monkeypatch, scaling):
     # Whether this torch runs row-wise GEMMs on CPU (2.11 does not) is another test's concern.
-    monkeypatch.setattr(advisor, "scaled_mm_supported", lambda rowwise, device_type: True)
+    monkeypatch.setattr(float8_training, "scaled_mm_supported", lambda rowwise, device_type: True)
     note = _only(advise(_cfg(scaling=scaling), CPU), "fsdp_float8_all_gather has no effect")
     assert f"float8.scaling = '{scaling}'" in note
     assert advise(_cfg(scaling=scaling, fsdp_float8_all_gather=False), CPU) == []

@@ -129,10 +129,10 @@ def test_auto_is_flex_only_for_compiled_cuda_blocks() -> None:
     assert resolve_attention("sdpa", compiled=True, device_type="cuda") == "sdpa"
     assert resolve_attention("flex", compiled=False, device_type="cuda") == "flex"
     cfg = build_config(["--config", "configs/debug_sft.toml", "--compile.mode", "block"])
-    assert model_args_for(cfg, None).attention == "sdpa"
+    assert model_args_for(cfg, None, "cpu").attention == "sdpa"
     cfg = build_config(["--config", "configs/debug_sft.toml", "--model.attention", "flex"])
     with pytest.raises(UserError, match=r"model\.attention = 'flex' needs CUDA"):
-        model_args_for(cfg, None)
+        model_args_for(cfg, None, "cpu")
 
 
 def test_flex_on_cpu_is_one_error_line(tmp_path) -> None:

@@ -150,13 +150,14 @@ def test_load_step_resumes_an_older_async_checkpoint(ref1, tmp_path):
 
 
 # train.py with a stall inside the save of step 5, at the point named by argv[1]: the process
-# sits there until the test kills it, so the kill always lands mid-save.
+# sits there until the test kills it, so the kill always lands mid-save. It hooks public
+# functions only (DCP's save, the rename into place), so moving the trainer's code keeps it working.
 _STALL_IN_SAVE = """
-import sys, time
+import os, sys, time
+import torch.distributed.checkpoint as dcp
 import train
-from trainer.checkpoint import manager
 
-owner, name = (manager.dcp, "save") if sys.argv[1] == "write" else (manager.CheckpointManager, "_publish")
+owner, name = (dcp, "save") if sys.argv[1] == "write" else (os, "replace")
 real = getattr(owner, name)
 
 def stall(*args, **kwargs):

@@ -164,7 +164,7 @@ def test_disk_space_estimate_counts_the_checkpoints_held_at_once():
 
 def one_checkpoint() -> int:
     """The estimated size of one checkpoint of SMALL (fp32 weights and two AdamW moments)."""
-    return checkpoint_bytes(build_meta_model(model_args_for(build_config(SMALL), None)))
+    return checkpoint_bytes(build_meta_model(model_args_for(build_config(SMALL), None, "cpu")))
 
 
 @pytest.fixture

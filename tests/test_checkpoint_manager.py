@@ -64,7 +64,7 @@ class Run:
         context = CheckpointContext(
             config=CheckpointConfig(enable=True, interval=1, **checkpoint), folder=folder, rank=0, world_size=1,
             device=torch.device("cpu"), dp=1, tp=1, global_batch=BATCH, training_steps=STEPS,
-            schedule=schedule_values(cfg), optimizer=self.optimizer_config, model_args=ARGS,
+            schedule=schedule_values(cfg.lr_scheduler, cfg.training.steps), optimizer=self.optimizer_config, model_args=ARGS,
         )
         self.manager = CheckpointManager(
             model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,

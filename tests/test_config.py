@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 import train
-from tests.helpers import run_train
+from tests.helpers import ROOT, run_train
 from trainer.config import (
     SECTIONS,
     Config,
@@ -96,7 +96,7 @@ def test_bad_input_exits_2_with_one_line():
 
 def test_layout_that_does_not_fit_the_model_heads():
     cfg = build_config(["--parallelism.tensor_parallel_degree", "3"])
-    args = model_args_for(cfg, None)
+    args = model_args_for(cfg, None, "cpu")
     with pytest.raises(UserError, match=r"tensor_parallel_degree = 3 must divide the number of heads \(8\)"):
         check_layout(cfg, 3, args.n_heads, args.n_kv_heads)
 
@@ -180,7 +180,14 @@ def test_configuration_doc_lists_every_option_with_its_choices():
             assert choices_cell == ", ".join(choices_of(tp) or ()), f"{section}.{key}: choices column"
 
 
-@pytest.mark.parametrize("path", ["configs/debug.toml", "configs/7b_bf16.toml", "configs/7b_fp8.toml",
-                                  "configs/7b_fp8_rowwise.toml"])
+SHIPPED_CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.toml"))
+
+
+def test_every_shipped_config_is_checked():
+    assert len(SHIPPED_CONFIGS) >= 6 and "configs/7b_sft_fp8.toml" in SHIPPED_CONFIGS
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS)
 def test_shipped_configs_validate(path):
-    build_config(["--config", path])
+    cfg = build_config(["--config", path])
+    assert cfg.model.flavor == ("debug" if "debug" in path else "7B")

@@ -167,9 +167,9 @@ def test_seq_len_beyond_the_flavour_is_refused(tmp_path):
 
 
 def test_max_seq_len_override_sizes_the_model():
-    assert model_args_for(build_config(["--training.seq_len", "64"]), None).max_seq_len == 2048
+    assert model_args_for(build_config(["--training.seq_len", "64"]), None, "cpu").max_seq_len == 2048
     cfg = build_config(["--training.seq_len", "3000", "--model.max_seq_len", "4096"])
-    assert model_args_for(cfg, None).max_seq_len == 4096
+    assert model_args_for(cfg, None, "cpu").max_seq_len == 4096
     with pytest.raises(UserError, match=r"^model.max_seq_len must be >= 0, got -1$"):
         build_config(["--model.max_seq_len", "-1"])
 

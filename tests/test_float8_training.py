@@ -13,7 +13,7 @@ from models.llama import LLAMA2_FLAVORS
 from trainer import float8_training
 from trainer.config import Config, Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES
-from trainer.float8_training import Float8Training, NoFloat8Training
+from trainer.float8_training import Float8RunContext, Float8Training, NoFloat8Training
 from trainer.model_setup import build_meta_model
 
 CPU = torch.device("cpu")
@@ -28,6 +28,10 @@ def _cfg(**float8: object) -> Config:
     return cfg
 
 
+def _seam(cfg: Config, device_type: str = "cpu") -> Float8Training | NoFloat8Training:
+    return Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device_type, cfg.training.mixed_precision_param))
+
+
 def test_trainer_and_package_share_every_float8_default():
     package = Float8Config()
     for f in dataclasses.fields(Float8TrainingConfig):
@@ -37,7 +41,7 @@ def test_trainer_and_package_share_every_float8_default():
 
 
 def test_float8_off_is_a_seam_that_does_nothing():
-    seam = Float8Training.from_config(Config(), "cpu")
+    seam = _seam(Config())
     assert isinstance(seam, NoFloat8Training)
     model = build_meta_model(LLAMA2_FLAVORS["debug"])
     assert seam.convert(model) is None
@@ -49,7 +53,7 @@ def test_float8_off_is_a_seam_that_does_nothing():
 
 
 def test_convert_reports_and_keeps_the_output_layer_in_high_precision():
-    seam = Float8Training.from_config(_cfg(), "cpu")
+    seam = _seam(_cfg())
     model = build_meta_model(LLAMA2_FLAVORS["debug"])
     report = seam.convert(model)
     assert len(report.converted) == 4 * 7 and report.skipped == [("output", "filtered by filter_fqns")]
@@ -65,7 +69,7 @@ def test_convert_reports_and_keeps_the_output_layer_in_high_precision():
 def test_tp_styles_follow_the_recipe_and_the_switch(scaling, float8_tp, float8_styles):
     cfg = _cfg(scaling=scaling)
     cfg.parallelism.float8_tensor_parallel = float8_tp
-    styles = Float8Training.from_config(cfg, "cpu").tp_styles()
+    styles = _seam(cfg).tp_styles()
     assert (styles.colwise is Float8ColwiseParallel) == float8_styles
     assert styles.local_inputs == float8_styles
 
@@ -74,39 +78,39 @@ def test_float8_tp_styles_fall_back_where_torch_miscompiles_them(monkeypatch):
     cfg = _cfg()
     cfg.training.mixed_precision_param = "float32"
     monkeypatch.setattr(float8_training.torch, "__version__", "2.11.0+cu130")
-    seam = Float8Training.from_config(cfg, "cpu")
+    seam = _seam(cfg)
     assert seam.tp_styles() is PLAIN_TP_STYLES
     notes = seam.advice(CPU, dp_degree=1, tp_degree=2)
     assert [n for n in notes if "miscompiles the float8 tensor-parallel styles" in n]
     assert not [n for n in seam.advice(CPU, dp_degree=1, tp_degree=1) if "miscompiles" in n]
     cfg.training.mixed_precision_param = "bfloat16"
-    assert Float8Training.from_config(cfg, "cpu").tp_styles().colwise is Float8ColwiseParallel
+    assert _seam(cfg).tp_styles().colwise is Float8ColwiseParallel
     monkeypatch.setattr(float8_training.torch, "__version__", "2.13.0+cpu")
     cfg.training.mixed_precision_param = "float32"
-    assert Float8Training.from_config(cfg, "cpu").tp_styles().colwise is Float8ColwiseParallel
+    assert _seam(cfg).tp_styles().colwise is Float8ColwiseParallel
     cfg.compile.mode = "none"
     monkeypatch.setattr(float8_training.torch, "__version__", "2.11.0")
-    assert Float8Training.from_config(cfg, "cpu").tp_styles().colwise is Float8ColwiseParallel
+    assert _seam(cfg).tp_styles().colwise is Float8ColwiseParallel
 
 
 @pytest.mark.parametrize(("scaling", "precomputes"), [("tensorwise", True), ("rowwise", False)])
 def test_post_optimizer_step_precomputes_scales_only_for_the_float8_all_gather(monkeypatch, scaling, precomputes):
     calls = []
     monkeypatch.setattr(float8_training, "precompute_float8_scales_for_fsdp", calls.append)
-    seam = Float8Training.from_config(_cfg(scaling=scaling, fsdp_float8_all_gather=True), "cpu")
+    seam = _seam(_cfg(scaling=scaling, fsdp_float8_all_gather=True))
     # A rowwise recipe cannot gather its weights in float8: the setting is dropped (and advised about).
     assert seam.config.fsdp_float8_all_gather == precomputes
     model = torch.nn.Linear(16, 16)
     seam.post_optimizer_step(model)
     assert calls == ([model] if precomputes else [])
-    Float8Training.from_config(_cfg(scaling=scaling), "cpu").post_optimizer_step(model)
+    _seam(_cfg(scaling=scaling)).post_optimizer_step(model)
     assert len(calls) == int(precomputes)
 
 
 @pytest.mark.parametrize(("device_type", "raised"), [("cuda", True), ("cpu", False)])
 def test_the_recompile_limit_is_raised_by_the_seam_and_said(device_type, raised):
     with torch._dynamo.config.patch(recompile_limit=8):
-        seam = Float8Training.from_config(_cfg(), device_type)
+        seam = _seam(_cfg(), device_type)
         seam.convert(build_meta_model(LLAMA2_FLAVORS["debug"]))
         assert torch._dynamo.config.recompile_limit == (64 if raised else 8)
     said = [line for line in seam.summary_lines() if "recompile_limit raised from 8 to 64" in line]

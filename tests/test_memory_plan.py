@@ -87,11 +87,11 @@ def test_refusal_is_one_line_with_the_numbers():
 
 def test_check_plan_raises_a_user_error(monkeypatch):
     cfg = build_config(["--config", "configs/debug.toml", "--training.seq_len", "100000", "--model.max_seq_len", "100000"])
-    args = model_args_for(cfg, None)
+    args = model_args_for(cfg, None, "cpu")
     monkeypatch.setattr("trainer.distributed.memory_plan.capacity", lambda device: ("this host", 16 * GIB))
     with pytest.raises(UserError, match=r"needs about \d+\.\d GiB per GPU .* but this host has 16\.0 GiB"):
-        check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32")
-    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", refuse=False)
+        check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", False)
+    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", False, refuse=False)
     assert error is not None and est.total > 16 * GIB
 
 
@@ -106,18 +106,19 @@ def test_cpu_capacity_is_shared_by_the_local_processes(monkeypatch):
 @pytest.mark.parametrize("path", CONFIGS)
 def test_shipped_configs_fit_an_h200(path):
     cfg = build_config(["--config", path])
-    args = model_args_for(cfg, None)
+    args = model_args_for(cfg, None, "cpu")
     param_dtype = resolve_param_precision(cfg.training.mixed_precision_param, "cuda").dtype
-    est = estimate_for(cfg, args, "cuda", 1, cfg.parallelism.tensor_parallel_degree, param_dtype)
+    tp = cfg.parallelism.tensor_parallel_degree
+    est = estimate_for(cfg, args, "cuda", 1, tp, param_dtype, tp > 1 and cfg.parallelism.loss_parallel)
     assert fit_error(est, "H200", H200_BYTES) is None, est.summary()
 
 
 @pytest.mark.parametrize("path", [p for p in CONFIGS if "debug" in p])
 def test_debug_configs_fit_this_cpu(path):
     cfg = build_config(["--config", path])
-    args = model_args_for(cfg, None)
+    args = model_args_for(cfg, None, "cpu")
     param_dtype = resolve_param_precision(cfg.training.mixed_precision_param, "cpu").dtype
-    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, param_dtype)
+    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, param_dtype, False)
     assert error is None and est.total < 1 * GIB
 
 

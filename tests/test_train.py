@@ -89,4 +89,5 @@ def test_missing_text_field_names_file_and_line(tmp_path):
     data.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
     result = run_train(["--job.dump_folder", str(tmp_path / "o"), "--data.path", str(data)])
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "d.jsonl:2" in result.stderr and "text" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.strip().endswith("d.jsonl:2: missing field 'text' (fields: body)"), result.stderr
+    assert "Traceback" not in result.stderr

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from models.llama import num_params
 from trainer.config import Config, check_layout
 from trainer.distributed.memory_plan import check_plan
-from trainer.float8_training import Float8Training
+from trainer.float8_training import Float8RunContext, Float8Training
+from trainer.launch import launch_world_size, launched_by_torchrun, pick_device_type
 from trainer.log import info
 from trainer.metrics.logger import flops_per_token
 from trainer.model_setup import build_meta_model, model_args_for
@@ -18,23 +17,24 @@ from trainer.run_facts import RunFacts
 
 
 def _planned_world_size(cfg: Config) -> int:
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
+    """torchrun's world, or, planned without it, the layout the config names."""
+    if launched_by_torchrun():
+        return launch_world_size()
     dp, tp = cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree
     return dp * tp if dp > 0 else tp
 
 
 def print_plan(cfg: Config) -> None:
     """Print parameters, FLOPs, tokens per step, layout, float8 layers, compile and AC; no weights."""
-    args = model_args_for(cfg, None)
+    device = torch.device(pick_device_type(cfg.training.device))
+    t = cfg.training
+    params = resolve_param_precision(t.mixed_precision_param, device.type)
+    args = model_args_for(cfg, None, device.type)
     world = _planned_world_size(cfg)
     dp, tp = check_layout(cfg, world, args.n_heads, args.n_kv_heads)
     model = build_meta_model(args)
-    device = torch.device("cuda" if torch.cuda.is_available() and cfg.training.device != "cpu" else "cpu")
-    float8 = Float8Training.from_config(cfg, device.type)
+    float8 = Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device.type, params.dtype))
     report = float8.convert(model)
-    t = cfg.training
-    params = resolve_param_precision(t.mixed_precision_param, device.type)
     without_embedding = num_params(model, exclude_embedding=True)
     facts = RunFacts.for_run(
         cfg, world, dp, tp, params.dtype, num_params(model),
@@ -43,7 +43,7 @@ def print_plan(cfg: Config) -> None:
     fpt = facts.flops_per_token
     precision = f"float8 {facts.float8_recipe}" if facts.float8_recipe else params.dtype
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
-    if cfg.parallelism.data_parallel_shard_degree == -1 and "WORLD_SIZE" not in os.environ:
+    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun():
         layout += " (dp = -1 takes the rest of the world at launch)"
     lines = [
         f"dry run: llama2 {cfg.model.flavor}",
@@ -68,7 +68,8 @@ def print_plan(cfg: Config) -> None:
     # On a host without a GPU, a plan left on training.device = 'auto' is likely meant for a GPU
     # machine: one that cannot fit this host is a warning; a plan for this device is refused.
     planned_elsewhere = device.type == "cpu" and t.device == "auto"
-    memory, too_big = check_plan(cfg, args, device, dp, tp, params.dtype, refuse=not planned_elsewhere)
+    vocab_sharded_logits = tp > 1 and cfg.parallelism.loss_parallel
+    memory, too_big = check_plan(cfg, args, device, dp, tp, params.dtype, vocab_sharded_logits, refuse=not planned_elsewhere)
     lines.append(f"  memory estimate   {memory.summary()}")
     if too_big:
         notes.append(too_big.replace("the plan needs", "on this host (no GPU) the plan needs", 1))

@@ -1,13 +1,17 @@
 """The trainer's one seam to float8: conversion, TP styles, the post-optimizer step and advice.
 
-`Float8Training.from_config(cfg, device_type)` gives a `Float8Training` when `[float8]
-enabled`, else a `NoFloat8Training` with the same methods doing nothing, so the trainer
-calls them unconditionally. Build order (README, "Parallelism"): `convert` on the meta
-model, `advice` before any weight is allocated, `tp_styles` for `parallelize_llama`, and
-`post_optimizer_step` after every applied optimizer step.
+`Float8Training.from_config(cfg.float8, Float8RunContext.for_run(...))` gives a
+`Float8Training` when `[float8] enabled`, else a `NoFloat8Training` with the same methods
+doing nothing, so the trainer calls them unconditionally. Build order (docs/design.md):
+`convert` on the meta model, `advice` before any weight is allocated, `tp_styles` for
+`parallelize_llama`, and `post_optimizer_step` after every applied optimizer step. Every
+float8 rule of the trainer lives here: the TP style choice and the startup advice.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,17 +23,41 @@ from float8 import (
     precompute_float8_scales_for_fsdp,
     raise_dynamo_recompile_limit,
 )
+from float8.linear import scaled_mm_supported
 from float8.recipe import RECIPES
 from float8.scaling import casts_compiled_in_eager
 from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-from trainer.advisor import advise
 from trainer.config import Config, Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES, TPStyles
+from trainer.errors import UserError
 
 # The float8 gathers hand local tensors to the float8 colwise linears (float8/tp.py).
 FLOAT8_TP_STYLES = TPStyles(
     Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput, local_inputs=True
 )
+# Below this many tokens per GPU per micro-batch the float8 GEMMs are too small to beat bf16.
+MIN_FLOAT8_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class Float8RunContext:
+    """What the float8 seam needs of the run besides `[float8]`: resolved values, not the config."""
+
+    device_type: str
+    compile_mode: str
+    # training.mixed_precision_param resolved for the device ('bfloat16' or 'float32').
+    param_dtype: str
+    float8_tensor_parallel: bool
+    # batch_size x seq_len of one micro-batch of one DP rank (its TP group shares it).
+    micro_batch_tokens: int
+
+    @staticmethod
+    def for_run(cfg: Config, device_type: str, param_dtype: str) -> Float8RunContext:
+        return Float8RunContext(
+            device_type=device_type, compile_mode=cfg.compile.mode, param_dtype=param_dtype,
+            float8_tensor_parallel=cfg.parallelism.float8_tensor_parallel,
+            micro_batch_tokens=cfg.training.batch_size * cfg.training.seq_len,
+        )
 
 
 def float8_config(f8: Float8TrainingConfig) -> Float8Config:
@@ -45,34 +73,118 @@ def float8_config(f8: Float8TrainingConfig) -> Float8Config:
     )
 
 
-def float8_tp_styles_compile_correctly(cfg: Config) -> bool:
+def float8_tp_styles_compile_correctly(run: Float8RunContext) -> bool:
     """False where torch miscompiles the float8 TP styles: torch 2.11 with float32 parameters.
 
     There a TP=2 float8 block compiled per block got a step-1 grad norm of 13.10 against
     17.87 eager (CPU, gloo); bf16 parameters, torch 2.13, and the plain TP styles with the
     same float8 linears are right.
     """
-    if cfg.compile.mode == "none" or cfg.training.mixed_precision_param != "float32":
+    if run.compile_mode == "none" or run.param_dtype != "float32":
         return True
     return tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+def float8_gemm_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+def refuse_unrunnable(f8: Float8TrainingConfig, device: torch.device) -> None:
+    """UserError for float8 settings this device cannot run."""
+    if device.type == "cuda" and not f8.emulate and not float8_gemm_supported(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UserError(
+            f"float8.enabled needs float8 GEMMs (compute capability >= 8.9: H100/H200/L40/RTX 4090); "
+            f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Set float8.emulate = true to test, "
+            "or float8.enabled = false"
+        )
+    if device.type == "cpu" and not f8.emulate and not scaled_mm_supported(RECIPES[f8.scaling].rowwise_gemms, "cpu"):
+        raise UserError(
+            f"float8.scaling = '{f8.scaling}' needs row-wise scaled float8 GEMMs, which torch "
+            f"{torch.__version__} does not run on CPU (torch >= 2.13 does); set float8.emulate = true to test here"
+        )
+
+
+def advise(
+    f8: Float8TrainingConfig, run: Float8RunContext, device: torch.device, float8_report: Any = None,
+    dp_degree: int = 1, tp_degree: int = 1,
+) -> list[str]:
+    """Float8 settings that will be slow or pointless, each naming the setting and the fix;
+    raises UserError for settings that cannot run on this device."""
+    notes: list[str] = []
+    if not f8.enabled:
+        return notes
+    refuse_unrunnable(f8, device)
+    recipe = RECIPES[f8.scaling]
+    if f8.emulate:
+        notes.append("float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only")
+    if run.compile_mode == "none":
+        notes.append(
+            "float8.enabled with compile.mode = 'none': eager float8 runs its casts as separate kernels and "
+            "gains little or nothing over bf16 (docs/benchmarks.md, table 'Full LLaMA-2-7B, FSDP2 on 2 H200s'); "
+            "set compile.mode = 'block'"
+        )
+    tokens = run.micro_batch_tokens // max(tp_degree, 1)
+    if device.type == "cuda" and tokens < MIN_FLOAT8_TOKENS:
+        notes.append(
+            f"float8 with training.batch_size x training.seq_len = {tokens} tokens per GPU per micro-batch: "
+            f"GEMMs this small gain little from float8; use >= {MIN_FLOAT8_TOKENS} tokens or float8.enabled = false"
+        )
+    if f8.fsdp_float8_all_gather and not recipe.weight_gatherable_in_float8:
+        notes.append(
+            f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{f8.scaling}' (weights are "
+            "all-gathered in bf16); use scaling = 'tensorwise' or set it false"
+        )
+    if recipe.weight_gatherable_in_float8 and not f8.fsdp_float8_all_gather and dp_degree > 1:
+        notes.append(
+            f"float8 {f8.scaling} without float8.fsdp_float8_all_gather: FSDP all-gathers bf16 weights; set "
+            "float8.fsdp_float8_all_gather = true to halve that traffic"
+        )
+    skipped = getattr(float8_report, "skipped", None) or []
+    not_filtered = [(fqn, why) for fqn, why in skipped if not any(s in fqn for s in f8.filter_fqns)]
+    if not_filtered:
+        notes.append(
+            f"{len(not_filtered)} linear layers stay in high precision: "
+            + _first_four([f"{fqn} ({why})" for fqn, why in not_filtered])
+        )
+    # The output layer is filtered by default (float8 logits cost accuracy, gain little);
+    # anything more the user filtered out runs at bf16 speed, which is worth a reminder.
+    default_filter = Float8TrainingConfig().filter_fqns
+    user_filtered = [
+        fqn for fqn, _ in skipped
+        if any(s in fqn for s in f8.filter_fqns) and not any(s in fqn for s in default_filter)
+    ]
+    if user_filtered:
+        notes.append(
+            f"float8.filter_fqns keeps {len(user_filtered)} more linear layers in high precision than the "
+            f"default {default_filter}: {_first_four(user_filtered)}; they get no float8 speed-up"
+        )
+    return notes
+
+
+def _first_four(names: list[str]) -> str:
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return ", ".join(names[:4]) + more
 
 
 class Float8Training:
     """Float8 training of a run's linears, as `[float8]` and the rest of the config ask."""
 
-    def __init__(self, cfg: Config, config: Float8Config, device_type: str) -> None:
-        self.cfg = cfg
+    def __init__(self, f8: Float8TrainingConfig, config: Float8Config, run: Float8RunContext) -> None:
+        self.f8 = f8
         self.config = config
-        self.device_type = device_type
+        self.run = run
         self.recipe_name: str | None = config.scaling
         self.report: Float8ConversionReport | None = None
         self._notes: list[str] = []
 
     @staticmethod
-    def from_config(cfg: Config, device_type: str) -> Float8Training | NoFloat8Training:
-        if not cfg.float8.enabled:
+    def from_config(f8: Float8TrainingConfig, run: Float8RunContext) -> Float8Training | NoFloat8Training:
+        if not f8.enabled:
             return NoFloat8Training()
-        return Float8Training(cfg, float8_config(cfg.float8), device_type)
+        return Float8Training(f8, float8_config(f8), run)
 
     def convert(self, model: nn.Module) -> Float8ConversionReport:
         """Swap eligible linears for float8 ones, on the meta model before any parallelism.
@@ -82,7 +194,7 @@ class Float8Training:
         package never changes it on its own. `summary_lines` says when it did.
         """
         self.report = convert_to_float8_training(model, config=self.config)
-        if casts_compiled_in_eager(self.device_type, self.config.compile_casts_in_eager):
+        if casts_compiled_in_eager(self.run.device_type, self.config.compile_casts_in_eager):
             raised = raise_dynamo_recompile_limit(self.config.dynamo_recompile_limit)
             if raised:
                 self._notes.append(
@@ -94,10 +206,10 @@ class Float8Training:
     def _wants_float8_tp(self) -> bool:
         """A recipe whose activation casts the float8 TP gathers reproduce, and
         `parallelism.float8_tensor_parallel`."""
-        return self.config.recipe.activations_gatherable_in_float8 and self.cfg.parallelism.float8_tensor_parallel
+        return self.config.recipe.activations_gatherable_in_float8 and self.run.float8_tensor_parallel
 
     def tp_styles(self) -> TPStyles:
-        if self._wants_float8_tp() and float8_tp_styles_compile_correctly(self.cfg):
+        if self._wants_float8_tp() and float8_tp_styles_compile_correctly(self.run):
             return FLOAT8_TP_STYLES
         return PLAIN_TP_STYLES
 
@@ -108,8 +220,8 @@ class Float8Training:
 
     def advice(self, device: torch.device, dp_degree: int, tp_degree: int) -> list[str]:
         """The advisor's warnings for this run; raises UserError for settings that cannot run."""
-        notes = advise(self.cfg, device, self.report, dp_degree, tp_degree)
-        if tp_degree > 1 and self._wants_float8_tp() and not float8_tp_styles_compile_correctly(self.cfg):
+        notes = advise(self.f8, self.run, device, self.report, dp_degree, tp_degree)
+        if tp_degree > 1 and self._wants_float8_tp() and not float8_tp_styles_compile_correctly(self.run):
             notes.append(
                 f"torch {torch.__version__} miscompiles the float8 tensor-parallel styles with float32 "
                 "parameters: activations are all-gathered in float32 instead; use "

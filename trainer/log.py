@@ -14,10 +14,11 @@ log warnings to rank 0, where every rank would repeat them.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch.distributed as dist
+
+from trainer.launch import launch_rank, launch_world_size
 
 _warned: set[str] = set()
 
@@ -26,13 +27,13 @@ def rank() -> int:
     """This process's rank: the process group's, or torchrun's RANK before the group exists (0 run directly)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return launch_rank()
 
 
 def _world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launch_world_size()
 
 
 def _text(message: str, every_rank: bool) -> str | None:

@@ -8,14 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
+from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer, initialized_model, seeded_init
 from models.llama.attention import resolve_attention
 from trainer.config import Config
-from trainer.distributed.process_group import pick_device_type
 from trainer.errors import UserError
 
 
-def model_args_for(cfg: Config, tokenizer_words: int | None) -> LlamaArgs:
+def model_args_for(cfg: Config, tokenizer_words: int | None, device_type: str) -> LlamaArgs:
     """The flavour's shape, with the config's overrides and attention kernel, checked against the tokenizer."""
     args = LLAMA2_FLAVORS[cfg.model.flavor]
     max_seq_len = cfg.model.max_seq_len or args.max_seq_len
@@ -26,7 +25,6 @@ def model_args_for(cfg: Config, tokenizer_words: int | None) -> LlamaArgs:
             f"training.seq_len = {cfg.training.seq_len} exceeds {where}; shorten it, or set model.max_seq_len "
             f">= {cfg.training.seq_len} to train on longer sequences than the flavour's"
         )
-    device_type = pick_device_type(cfg.training.device)
     attention = resolve_attention(cfg.model.attention, cfg.compile.mode != "none", device_type)
     if attention == "flex" and device_type != "cuda":
         raise UserError(
@@ -50,7 +48,7 @@ def build_meta_model(args: LlamaArgs) -> Transformer:
         return Transformer(args)
 
 
-def init_weights(model: nn.Module, args: LlamaArgs, cfg: Config, device: torch.device) -> None:
+def init_weights(model: nn.Module, args: LlamaArgs, seed: int, device: torch.device) -> None:
     """Allocate the (sharded) parameters and initialise them.
 
     On CPU, DTensor has no layout-independent RNG, so rank 0 initialises a full copy and
@@ -58,21 +56,13 @@ def init_weights(model: nn.Module, args: LlamaArgs, cfg: Config, device: torch.d
     DTensor's offset-based RNG gives the same property without a full copy.
     """
     model.to_empty(device=device)
-    torch.manual_seed(cfg.training.seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
+    seeded_init(model, seed, device)
     if device.type != "cpu":
         return
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    full_sd: dict[str, torch.Tensor] = {}
-    if dist.get_rank() == 0:
-        torch.manual_seed(cfg.training.seed)
-        full = Transformer(args)
-        with torch.no_grad():
-            full.init_weights()
-        full_sd = full.state_dict()
+    full_sd = initialized_model(args, seed).state_dict() if dist.get_rank() == 0 else {}
     set_model_state_dict(
         model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+# The dtypes a config names (mixed_precision_param/reduce, checkpoint.export_dtype), as torch's.
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Where the slowdown was measured: the factor differs from one CPU to the next.
 NON_NATIVE_BF16_MEASURED = "docs/benchmarks.md, section 'CPU without native bf16'"
 

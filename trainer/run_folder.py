@@ -21,6 +21,7 @@ from typing import Any
 
 from trainer.checkpoint.dcp_reader import describe_error
 from trainer.errors import UserError, process_start_time
+from trainer.launch import launch_rank
 from trainer.log import warn
 
 LOCK_NAME = ".lock"
@@ -117,8 +118,7 @@ def claim(folder: str) -> Iterator[None]:
     """
     path = Path(folder)
     check_writable(path)
-    # torchrun's RANK is known before the process group exists; run directly, there is one rank.
-    lock = acquire_lock(path) if os.environ.get("RANK", "0") == "0" else None
+    lock = acquire_lock(path) if launch_rank() == 0 else None
     try:
         yield
     finally:

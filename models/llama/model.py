@@ -211,6 +211,33 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
+def seeded_init(model: Transformer, seed: int, device: torch.device | str) -> None:
+    """The weight-init recipe of an allocated (possibly sharded) model: seed, then init_weights."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+
+
+def initialized_model(args: LlamaArgs, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """A whole model with the trainer's initial weights for `seed`.
+
+    On CPU it seeds before building (the constructor draws from the generator too), which
+    is what a one-process CPU run starts from, bitwise. Elsewhere it is built on meta and
+    materialised on `device` (a 7B never needs a CPU copy), as a GPU run does.
+    """
+    if torch.device(device).type == "cpu":
+        torch.manual_seed(seed)
+        model = Transformer(args)
+        with torch.no_grad():
+            model.init_weights()
+        return model
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    seeded_init(model, seed, device)
+    return model
+
+
 def num_params(model: nn.Module, exclude_embedding: bool = False) -> int:
     """Parameter count (global sizes for sharded DTensors); optionally without tok_embeddings."""
     total = sum(p.numel() for p in model.parameters())

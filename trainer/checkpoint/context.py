@@ -29,8 +29,8 @@ class TrainProgress(Protocol):
 class CheckpointContext:
     """The run's checkpoint settings, its ranks and layout, and the config that a resume reconciles.
 
-    `optimizer` is the run's optimizer config: a resume writes the checkpoint's hyperparameters
-    into it, so the config.toml written afterwards records the values in force.
+    `optimizer` is the run's optimizer config: a resume compares the checkpoint's hyperparameters
+    with it and says which are in force.
     """
 
     config: CheckpointConfig
@@ -59,7 +59,7 @@ class CheckpointContext:
             config=cfg.checkpoint, folder=folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder,
             rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, dp=dp, tp=tp,
             global_batch=global_batch, training_steps=cfg.training.steps,
-            schedule=schedule_values(cfg), optimizer=cfg.optimizer, model_args=model_args,
+            schedule=schedule_values(cfg.lr_scheduler, cfg.training.steps), optimizer=cfg.optimizer, model_args=model_args,
         )
 
 

@@ -16,8 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from models.llama import LlamaArgs
 from models.llama.weight_conversion import meta_params_from_args
 from trainer.log import info
-
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from trainer.precision import TORCH_DTYPES
 
 
 def export_model(state_dict: dict[str, torch.Tensor], args: LlamaArgs, out: Path, dtype: torch.dtype) -> None:
@@ -44,6 +43,6 @@ def export_final(model: nn.Module, args: LlamaArgs, out: Path, dtype: str, rank:
     """Gather the (sharded) `model` and let rank 0 write it to `out`; a collective of every rank."""
     state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        export_model(state_dict, args, out, EXPORT_DTYPES[dtype])
+        export_model(state_dict, args, out, TORCH_DTYPES[dtype])
         info(f"exported model weights: {out / 'model.safetensors'}")
     dist.barrier()

@@ -40,8 +40,11 @@ from trainer.log import info, warn
 def load_checkpoint(
     path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler,
     dataloader: Stateful, train_state: TrainProgress, context: CheckpointContext,
-) -> None:
-    """Restore every object from the checkpoint `path`, after checking all of it; a collective of every rank."""
+) -> dict[str, Any]:
+    """Restore every object from the checkpoint `path`, after checking all of it; a collective of every rank.
+
+    Returns the optimizer settings in force from now on (the checkpoint's), by `[optimizer]` key.
+    """
     start = time.perf_counter()
     extra = read_extra(path)
     metadata = read_dcp_metadata(path, "checkpoint")
@@ -70,10 +73,11 @@ def load_checkpoint(
     except (Exception, CheckpointException) as e:
         raise UserError(f"checkpoint {path} cannot be loaded: {describe_error(e)}") from None
     train_state.load_state_dict(extra["train_state"])
-    _reconcile_config(path, extra, context, train_state.step)
+    in_force = _reconcile_config(path, extra, context, train_state.step)
     restore_rng(rng, context.device)
     if context.is_main:
         info(f"checkpoint loaded: {path} ({time.perf_counter() - start:.1f}s, {verified})")
+    return in_force
 
 
 def _verify_checksums(path: Path, context: CheckpointContext) -> str:
@@ -105,13 +109,13 @@ def _verify_checksums(path: Path, context: CheckpointContext) -> str:
     return f"checksums {time.perf_counter() - start:.1f}s"
 
 
-def _reconcile_config(path: Path, extra: dict[str, Any], context: CheckpointContext, step: int) -> None:
+def _reconcile_config(path: Path, extra: dict[str, Any], context: CheckpointContext, step: int) -> dict[str, Any]:
     """Warn once for each optimizer or schedule key this run changes, saying which value is in force.
 
     The optimizer's hyperparameters and the peak lr are the checkpoint's (they live in its param
-    groups and the scheduler's base_lrs): the config takes them, so config.toml records what the
-    run uses. The schedule's shape is rebuilt from this run's config on every start, so the new
-    warmup / decay / min_lr_ratio / steps apply from the next step on.
+    groups and the scheduler's base_lrs): they are returned, by `[optimizer]` key, so config.toml
+    records what the run uses. The schedule's shape is rebuilt from this run's config on every
+    start, so the new warmup / decay / min_lr_ratio / steps apply from the next step on.
     """
     opt = context.optimizer
     group = extra["optimizer_param_groups"][0]  # the decayed matrices: weight_decay is the config's
@@ -125,10 +129,9 @@ def _reconcile_config(path: Path, extra: dict[str, Any], context: CheckpointCont
         if value != live[key] and context.is_main:
             warn(f"{key} = {live[key]} differs from {value} in checkpoint {path}: the checkpoint's "
                  f"{value} stays in force (its optimizer state is resumed), and config.toml records it")
-    opt.lr, opt.weight_decay, opt.betas, opt.eps = (
-        saved["optimizer.lr"], saved["optimizer.weight_decay"], saved["optimizer.betas"], saved["optimizer.eps"])
     for key, value in extra.get("schedule", {}).items():
         new = context.schedule[key]
         if value != new and context.is_main:
             warn(f"{key} = {new} differs from {value} in checkpoint {path}: this run's {new} applies "
                  f"from step {step + 1} on (the lr schedule is rebuilt from the config)")
+    return {key.split(".", 1)[1]: value for key, value in saved.items()}

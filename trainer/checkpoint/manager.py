@@ -81,6 +81,8 @@ class CheckpointManager:
         self.cfg = context.config
         self.folder = context.folder
         self.last_loaded: Path | None = None
+        # After a resume: the checkpoint's optimizer settings, in force whatever the config says.
+        self.optimizer_in_force: dict[str, Any] = {}
         self._pending: tuple[Any, Path, Path, float, int] | None = None
         self._last_saved_step = -1
         # Async saves run their collectives on a gloo group of their own, in a background
@@ -261,8 +263,10 @@ class CheckpointManager:
                 if stale.suffix == ".partial":
                     info(f"removed the unfinished checkpoint {stale} (left by a run stopped while saving it)")
         if path is not None:
-            load_checkpoint(path, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                            dataloader=self.dataloader, train_state=self.train_state, context=ctx)
+            self.optimizer_in_force = load_checkpoint(
+                path, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                dataloader=self.dataloader, train_state=self.train_state, context=ctx,
+            )
             self.last_loaded = path
         elif self.cfg.initial_load_path:
             load_initial_weights(self.model, ctx.model_args, self.cfg.initial_load_path, self.cfg.initial_load_format,

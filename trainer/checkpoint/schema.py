@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from trainer.checkpoint.dcp_reader import describe_error
-from trainer.config import Config
+from trainer.config import LRSchedulerConfig
 from trainer.errors import UserError
 
 EXTRA_FILE = "extra.json"
@@ -35,9 +36,10 @@ class _FieldError(Exception):
         super().__init__(f"field '{where}' {problem}")
 
 
-def schedule_values(cfg: Config) -> dict[str, Any]:
-    """The config's SCHEDULE_KEYS as ``{"section.key": value}``."""
-    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SCHEDULE_KEYS}
+def schedule_values(lr_scheduler: LRSchedulerConfig, training_steps: int) -> dict[str, Any]:
+    """The run's SCHEDULE_KEYS as ``{"section.key": value}``."""
+    sections = {"lr_scheduler": lr_scheduler, "training": SimpleNamespace(steps=training_steps)}
+    return {key: getattr(sections[key.split(".")[0]], key.split(".")[1]) for key in SCHEDULE_KEYS}
 
 
 def read_extra(path: Path) -> dict[str, Any]:

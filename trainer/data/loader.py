@@ -207,6 +207,21 @@ class PretrainDataset(WindowDataset):
         return {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
 
 
+def _check_loader_args(
+    kind: str, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int, num_workers: int, bad_rows: str
+) -> None:
+    if kind not in KINDS:
+        raise UserError(f"unknown data kind '{kind}' (expected one of: {', '.join(KINDS)})")
+    for name, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
+                             ("dp_degree", dp_degree, 1), ("num_workers", num_workers, 0)):
+        if value < low:
+            raise UserError(f"{name} must be >= {low}, got {value}")
+    if not 0 <= dp_rank < dp_degree:
+        raise UserError(f"dp_rank {dp_rank} is outside [0, {dp_degree})")
+    if bad_rows not in BAD_ROWS:
+        raise UserError(f"unknown bad_rows '{bad_rows}' (expected one of: {', '.join(BAD_ROWS)})")
+
+
 def build_dataloader(
     *,
     kind: str,
@@ -246,16 +261,7 @@ def build_dataloader(
     alone; ``num_workers`` worker processes tokenize this process's share ahead of use.
     ``verbose``: this process prints progress and warnings (one rank of a run).
     """
-    if kind not in KINDS:
-        raise UserError(f"unknown data kind '{kind}' (expected one of: {', '.join(KINDS)})")
-    for name, value, low in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
-                             ("dp_degree", dp_degree, 1), ("num_workers", num_workers, 0)):
-        if value < low:
-            raise UserError(f"{name} must be >= {low}, got {value}")
-    if not 0 <= dp_rank < dp_degree:
-        raise UserError(f"dp_rank {dp_rank} is outside [0, {dp_degree})")
-    if bad_rows not in BAD_ROWS:
-        raise UserError(f"unknown bad_rows '{bad_rows}' (expected one of: {', '.join(BAD_ROWS)})")
+    _check_loader_args(kind, seq_len, batch_size, dp_rank, dp_degree, num_workers, bad_rows)
     source = DataSource(path, data_format)
     dataset: WindowDataset
     if kind == "pretrain":
@@ -270,10 +276,8 @@ def build_dataloader(
             source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, seed,
             sft_options or SFTOptions(), bad_rows, verbose,
         )
-    # Batches are built inside the dataset, so batch_size=None. Its state is exactly what
-    # has been handed out: no worker processes here (those of the pretraining dataset
-    # tokenize ahead, but the windows are cut in this process), so the saved state is
-    # the same for any number of workers and on every rank.
+    # Batches are built inside the dataset (batch_size=None), in this process (workers only
+    # tokenize ahead), so the saved state is the same for any number of workers and ranks.
     with warnings.catch_warnings():
         # torchdata 0.11 calls a deprecated torch API on construction; not actionable here
         warnings.filterwarnings("ignore", message=".*set_vital.*")

@@ -37,6 +37,7 @@ from models.llama.args import LlamaArgs
 from models.llama.attention import FLEX_BLOCK_SIZE
 from trainer.config import Config
 from trainer.errors import UserError
+from trainer.launch import local_world_size
 
 GIB = 1024**3
 
@@ -133,21 +134,18 @@ def estimate(
 
 
 def estimate_for(
-    cfg: Config, args: LlamaArgs, device_type: str, dp: int, tp: int, param_dtype: str
+    cfg: Config, args: LlamaArgs, device_type: str, dp: int, tp: int, param_dtype: str, vocab_sharded_logits: bool
 ) -> MemoryEstimate:
-    """The estimate for this config; param_dtype is the resolved one ('bfloat16' or 'float32')."""
+    """The estimate for this config; param_dtype is the resolved one ('bfloat16' or 'float32'),
+    vocab_sharded_logits whether TP keeps the logits sharded (loss parallel)."""
     t = cfg.training
     param_bytes = 4 if param_dtype == "float32" else 2
     return estimate(
         args, batch_size=t.batch_size, seq_len=t.seq_len, ac_mode=cfg.activation_checkpoint.mode,
         float8=cfg.float8.enabled, param_bytes=param_bytes, dp=dp, tp=tp,
         packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type, attention_kernel=args.attention,
-        loss_parallel=cfg.parallelism.loss_parallel,
+        loss_parallel=vocab_sharded_logits or tp == 1,
     )
-
-
-def _local_processes() -> int:
-    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
 
 
 def capacity(device: torch.device) -> tuple[str, float]:
@@ -166,7 +164,7 @@ def capacity(device: torch.device) -> tuple[str, float]:
         pass
     if available is None:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    n = _local_processes()
+    n = local_world_size()
     what = "this host's available memory" + (f" shared by {n} processes" if n > 1 else "")
     return what, available / n
 
@@ -186,13 +184,14 @@ def fit_error(est: MemoryEstimate, what: str, capacity_bytes: float) -> str | No
 
 
 def check_plan(
-    cfg: Config, args: LlamaArgs, device: torch.device, dp: int, tp: int, param_dtype: str, refuse: bool = True
+    cfg: Config, args: LlamaArgs, device: torch.device, dp: int, tp: int, param_dtype: str,
+    vocab_sharded_logits: bool, refuse: bool = True,
 ) -> tuple[MemoryEstimate, str | None]:
     """The estimate for this config on this device, and the refusal when it cannot fit.
 
     With refuse (the default) the refusal is raised as a UserError; otherwise it is returned.
     """
-    est = estimate_for(cfg, args, device.type, dp, tp, param_dtype)
+    est = estimate_for(cfg, args, device.type, dp, tp, param_dtype, vocab_sharded_logits)
     error = fit_error(est, *capacity(device))
     if error and refuse:
         raise UserError(error)

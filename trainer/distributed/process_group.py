@@ -35,17 +35,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def pick_device_type(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
-
-
-def planned_world_size() -> int:
-    """torchrun's WORLD_SIZE, known before the process group exists; 1 when run directly."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
     """Join torchrun's process group, or create a one-rank group when run directly."""
     if "RANK" not in os.environ:

@@ -1,0 +1,193 @@
+"""The shape of the code: which part may import which, no import circles, and size limits.
+
+Every part of the project has a rank; a module may import its own part and parts of a lower
+rank only (imports inside functions count too). A new package or top-level module in
+trainer/ must be given a rank here, so the architecture cannot change without this file.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RANKS = {
+    "float8": 0,
+    "models": 1,
+    "trainer.launch": 2,
+    "trainer.errors": 3, "trainer.log": 3,
+    "trainer.config": 4, "trainer.precision": 4,
+    "trainer.data": 5, "trainer.distributed": 5, "trainer.metrics": 5, "trainer.optim": 5,
+    "trainer.model_setup": 5, "trainer.run_facts": 5, "trainer.train_state": 5,
+    "trainer.loss": 6, "trainer.checkpoint": 6, "trainer.float8_training": 6,
+    "trainer.validation": 7, "trainer.run_folder": 7, "trainer.step": 7,
+    "trainer.trainer": 8, "trainer.dry_run": 8,
+    "train": 9, "scripts": 9,
+}
+PROJECT = ("float8", "models", "trainer", "scripts", "train")
+MAX_FILE_LINES = 350
+MAX_TRAINER_FUNCTION_LINES = 60
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def part_of(module: str) -> str | None:
+    """The ranked part a module belongs to: float8, models, scripts, train, or trainer.<first level>."""
+    top = module.split(".")[0]
+    if top not in PROJECT or module == "trainer":  # trainer/__init__.py is empty
+        return None
+    if top == "trainer":
+        return ".".join(module.split(".")[:2])
+    return top
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    """Project modules imported anywhere in the file (relative imports resolved)."""
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if part_of(m) is not None}
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the project modules it imports, for every .py file of the project under `root`."""
+    files = [root / "train.py", *[p for top in PROJECT[:-1] for p in (root / top).rglob("*.py")]]
+    modules = {module_name(p, root): p for p in files if p.exists() and part_of(module_name(p, root))}
+    graph = {}
+    for name, path in modules.items():
+        # `from a.b import c` names module a.b.c when it exists, else the object c of a.b.
+        graph[name] = {m for m in imports_of(path, name) if m in modules and m != name}
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, targets in graph.items():
+        own = part_of(module)
+        if own not in RANKS:
+            problems.append(f"{module}: part {own} has no rank")
+            continue
+        for target in sorted(targets):
+            part = part_of(target)
+            if part == own:
+                continue
+            if part not in RANKS:
+                problems.append(f"{module} imports {target}: part {part} has no rank")
+            elif RANKS[part] >= RANKS[own]:
+                problems.append(f"{module} (rank {RANKS[own]}) imports {target} (rank {RANKS[part]})")
+    return problems
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles between modules (each reported once, by depth-first search)."""
+    found, state = [], {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append([*stack[stack.index(nxt):], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_imports_point_down_the_ranks():
+    assert upward_imports(import_graph(ROOT)) == []
+
+
+def test_no_import_circles():
+    assert cycles(import_graph(ROOT)) == []
+
+
+def test_every_trainer_part_has_a_rank():
+    parts = {part_of(module_name(p, ROOT)) for p in (ROOT / "trainer").rglob("*.py")} - {None}
+    assert sorted(parts - RANKS.keys()) == []
+
+
+def test_float8_and_models_stay_self_contained():
+    """float8/ names no trainer path even in comments; models/ has no parallelism."""
+    for path in (ROOT / "float8").rglob("*.py"):
+        assert "trainer/" not in path.read_text(), path
+    for path in (ROOT / "models").rglob("*.py"):
+        text = path.read_text()
+        for word in ("torch.distributed", "fully_shard", "parallelize_module", "DeviceMesh"):
+            assert word not in text, (path, word)
+
+
+def test_file_and_function_sizes():
+    big_files = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for top in ("trainer", "float8", "models", "scripts")
+        for p in sorted((ROOT / top).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+    long_functions = [
+        f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for p in sorted((ROOT / "trainer").rglob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_TRAINER_FUNCTION_LINES
+    ]
+    assert big_files == [] and long_functions == []
+
+
+def test_no_script_imports_another_scripts_private_names():
+    offenders = []
+    for path in (ROOT / "scripts").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("scripts"):
+                offenders += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert offenders == []
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> dict[str, set[str]]:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return import_graph(tmp_path)
+
+
+@pytest.mark.parametrize("planted, expected", [
+    ({"float8/a.py": "from trainer.log import info\n", "trainer/log.py": ""},
+     "float8.a (rank 0) imports trainer.log (rank 3)"),
+    ({"trainer/config/x.py": "def f():\n    from trainer.data import loader\n", "trainer/data/loader.py": ""},
+     "trainer.config.x (rank 4) imports trainer.data.loader (rank 5)"),
+    ({"trainer/newpart.py": ""}, "trainer.newpart: part trainer.newpart has no rank"),
+])
+def test_checker_finds_a_planted_upward_import(tmp_path, planted, expected):
+    assert upward_imports(_plant(tmp_path, planted)) == [expected]
+
+
+def test_checker_finds_a_planted_circle(tmp_path):
+    graph = _plant(tmp_path, {
+        "trainer/data/a.py": "from trainer.data.b import x\n",
+        "trainer/data/b.py": "from .a import y\n",
+    })
+    assert cycles(graph) == [["trainer.data.a", "trainer.data.b", "trainer.data.a"]]
