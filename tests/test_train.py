@@ -91,3 +91,30 @@ def test_missing_text_field_names_file_and_line(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().endswith("d.jsonl:2: missing field 'text' (fields: body)"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_config_is_read_never_written(tmp_path):
+    """A run leaves its Config as loaded; config.toml records what was in force (the resolved dtype)."""
+    import copy
+    import signal
+
+    from trainer import run_folder
+    from trainer.config import build_config, load_toml
+    from trainer.distributed import process_group
+    from trainer.trainer import Trainer
+
+    dump = tmp_path / "run"
+    cfg = build_config(["--job.dump_folder", str(dump), "--training.steps", "2", "--training.seq_len", "32",
+                        "--model.n_layers", "1", "--metrics.enable_tensorboard", "false"])
+    loaded = copy.deepcopy(cfg)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # the run installs its own
+    try:
+        with run_folder.claim(cfg.job.dump_folder):
+            Trainer(cfg).train()
+    finally:
+        process_group.shutdown(clean=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert cfg == loaded and cfg.training.mixed_precision_param == "auto"
+    in_force = load_toml(str(dump / "config.toml"))
+    assert in_force["training"]["mixed_precision_param"] == resolve_param_precision("auto", "cpu").dtype
