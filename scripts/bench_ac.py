@@ -23,42 +23,46 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.cells import (  # noqa: E402
+    cell_overrides,
+    failure_reason,
+    read_metrics,
+    run_logged,
+    train_launcher,
+)
 
 
 def cell_args(a: argparse.Namespace, precision: str, compile_mode: str, ac: str, dump: Path) -> list[str]:
-    f8 = ["--float8.enabled", "true", "--float8.scaling", precision]
-    if precision == "bf16":
-        f8 = ["--float8.enabled", "false", "--float8.fsdp_float8_all_gather", "false"]
-    elif precision != "tensorwise":
-        f8 += ["--float8.fsdp_float8_all_gather", "false"]
+    """train.py options of one cell; the arguments after `--` come last, so they win."""
     return [
         "--config", a.config, "--model.flavor", a.flavor, "--model.n_layers", str(a.n_layers),
         "--training.batch_size", str(a.batch_size), "--training.seq_len", str(a.seq_len),
-        "--training.steps", str(a.steps), "--compile.mode", compile_mode,
-        "--activation_checkpoint.mode", ac, *f8,
-        "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--checkpoint.enable", "false", "--profiling.enable", "false",
-        "--job.dump_folder", str(dump), *a.extra,
+        "--activation_checkpoint.mode", ac, *cell_overrides(precision, compile_mode, a.steps, str(dump)),
+        "--metrics.enable_tensorboard", "false", *a.extra,
     ]
 
 
 def run_cell(a: argparse.Namespace, precision: str, compile_mode: str, ac: str) -> dict:
+    """One train.py run, logged to <dump>/log.txt; its step time, peak memory and last loss."""
     dump = Path(a.out) / f"{precision}-{compile_mode}-{ac}"
     dump.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "train.py", *cell_args(a, precision, compile_mode, ac, dump)]
+    cmd = [*train_launcher(1, "train.py"), *cell_args(a, precision, compile_mode, ac, dump)]
     cell = {"precision": precision, "compile": compile_mode, "ac": ac, "ok": False}
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
+        rc, stderr_tail = run_logged(cmd, dump / "log.txt", timeout=a.timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {**cell, "reason": f"timed out after {a.timeout} s"}
-    (dump / "log.txt").write_text(proc.stdout + proc.stderr)
     cell["wall_s"] = time.perf_counter() - start
-    metrics = dump / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        return {**cell, "reason": lines[-1] if lines else f"exit code {proc.returncode}"}
-    rows = sorted((json.loads(line) for line in metrics.read_text().splitlines()), key=lambda r: r["step"])
+    if rc != 0:
+        return {**cell, "reason": failure_reason(stderr_tail, rc)}
+    try:
+        rows = sorted(read_metrics(dump / "metrics.jsonl"), key=lambda r: r["step"])
+    except ValueError as e:
+        return {**cell, "reason": str(e)}
     timed = [r for r in rows if r["step"] > 1] or rows
     return {
         **cell, "ok": True,

@@ -31,24 +31,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-import profile_summary
-from float8_impls import IMPLS, ReferenceMissing, convert, torchao_version
-
-from models.llama import LLAMA2_FLAVORS, TransformerBlock
-from models.llama.model import precompute_rope
+from models.llama import LLAMA2_FLAVORS, TransformerBlock  # noqa: E402
+from models.llama.model import precompute_rope  # noqa: E402
+from scripts.bench_float8_report import add_speedups, print_report  # noqa: E402
+from scripts.float8_impls import IMPLS, ReferenceMissing, convert, torchao_version  # noqa: E402
+from scripts.profile_summary import CLASSES, load_trace  # noqa: E402
+from scripts.profile_summary import summarize as summarize_trace  # noqa: E402
 
 MODES = ("bf16", "tensorwise", "rowwise", "rowwise_gw_hp")
 VARIANTS = ("eager", "compiled")
 # LLaMA-2-7B linears as (in_features, out_features): wq/wk/wv/wo, w1/w3, w2, output.
 LINEAR_SHAPES_7B = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 32000)]
-TARGETS = {  # (section, variant, mode) -> minimum speedup over bf16 on an H200
-    ("blocks", "compiled", "tensorwise"): 1.43,
-    ("blocks", "compiled", "rowwise"): 1.25,
-    ("blocks", "eager", "tensorwise"): 1.0,
-}
 
 
 class Timer:
@@ -143,7 +140,7 @@ def build_blocks(args, n_blocks: int, mode: str, impl: str, variant: str, device
 
 
 def block_flops(args, n_blocks: int, batch: int, seq: int) -> float:
-    """Training FLOPs per step as the trainer counts them (README, "Outputs"): 6 * params * tokens + 12 * L * dim * seq * tokens."""
+    """Training FLOPs per step as the trainer counts them (docs/outputs.md, "FLOPs per token"): 6 * params * tokens + 12 * L * dim * seq * tokens."""
     with torch.device("meta"):
         params = sum(p.numel() for p in TransformerBlock(0, args).parameters()) * n_blocks
     tokens = batch * seq
@@ -194,59 +191,8 @@ def profile_step(step: Callable[[], None], device) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        summary = profile_summary.summarize(profile_summary.load_trace(trace), top=0)
-    return {profile_summary.CLASSES[k]: c["ms"] for k, c in summary["classes"].items() if c["count"]}
-
-
-def add_speedups(rows: list[dict]) -> None:
-    base = {(r["section"], r["name"], r["variant"]): r["ms"] for r in rows if r["mode"] == "bf16"}
-    for r in rows:
-        ref = base.get((r["section"], r["name"], r["variant"]))
-        r["speedup"] = ref / r["ms"] if ref else None
-
-
-def target_checks(rows: list[dict]) -> list[str]:
-    checks = []
-    for r in rows:
-        target = TARGETS.get((r["section"], r["variant"], r["mode"]))
-        if target and r["speedup"]:
-            checks.append(f"{r['section']} {r['variant']} {r['mode']} ({r['impl']}): {r['speedup']:.2f}x bf16 "
-                          f"(target >= {target:.2f}x)")
-    bf16_peak = {r["variant"]: r["peak_gib"] for r in rows if r["section"] == "blocks" and r["mode"] == "bf16"}
-    for r in rows:
-        ref = bf16_peak.get(r["variant"])
-        if r["section"] == "blocks" and r["mode"] != "bf16" and r["peak_gib"] and ref:
-            checks.append(f"blocks {r['variant']} {r['mode']} ({r['impl']}) peak memory: "
-                          f"{r['peak_gib'] / ref:.2f}x bf16 (target <= 0.85x)")
-    return checks
-
-
-def side_by_side(rows: list[dict]) -> list[str]:
-    """Ours against torchao for every cell both ran: the time ratio, > 1 when ours is faster."""
-    torchao = {(r["section"], r["name"], r["variant"], r["mode"]): r for r in rows if r["impl"] == "torchao"}
-    lines = []
-    for r in rows:
-        ref = torchao.get((r["section"], r["name"], r["variant"], r["mode"]))
-        if r["impl"] == "ours" and ref:
-            lines.append(f"{r['section']} {r['name']} {r['variant']} {r['mode']}: ours {r['ms']:.2f} ms, "
-                         f"torchao {ref['ms']:.2f} ms: ours {ref['ms'] / r['ms']:.2f}x torchao's speed")
-    return lines
-
-
-def print_table(rows: list[dict]) -> None:
-    header = (
-        f"{'section':8} {'shape':32} {'mode':14} {'impl':8} {'variant':9} {'ms':>9} {'TFLOP/s':>8} "
-        f"{'tokens/s':>11} {'vs bf16':>8} {'peak GiB':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        print(
-            f"{r['section']:8} {r['name']:32} {r['mode']:14} {r['impl']:8} {r['variant']:9} {r['ms']:9.2f} "
-            f"{r['tflops']:8.1f} {r['tokens_per_s']:11.0f} {speedup:>8} {peak:>9}"
-        )
+        summary = summarize_trace(load_trace(trace), top=0)
+    return {CLASSES[k]: c["ms"] for k, c in summary["classes"].items() if c["count"]}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -339,16 +285,7 @@ def main() -> None:
     }
     Path(opts.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {opts.out} ({result['device']}, " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ")")
-    for r in rows:
-        if "profile" in r:
-            cats = "  ".join(f"{k} {v:.2f}" for k, v in r["profile"].items())
-            print(f"profile, one compiled blocks step, {r['mode']:14} {r['impl']:8} (ms): {cats}")
-    for line in [*target_checks(rows), *side_by_side(rows)]:
-        print(line)
-    for line in failures:
-        print(f"FAILED {line}")
-    print()
-    print_table(rows)
+    print_report(rows, failures)
 
 
 if __name__ == "__main__":

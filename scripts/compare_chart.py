@@ -12,8 +12,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from compare_report import Run, add_speedups, speedup_text
-from compare_run import COMPILE_MODES, PRECISIONS, CellResult
+from scripts.cells import COMPILE_MODES, PRECISIONS
+from scripts.compare_report import Run, add_speedups, speedup_text
+from scripts.compare_run import CellResult
 
 
 @dataclasses.dataclass

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from compare_run import BASELINE, COMPILE_MODES, PRECISIONS, CellResult
-from profile_summary import CLASSES
+from scripts.cells import BASELINE, COMPILE_MODES, PRECISIONS
+from scripts.compare_run import CellResult
+from scripts.profile_summary import CLASSES
 
 
 class ResultFileError(Exception):
@@ -35,7 +36,8 @@ def add_speedups(results: list[CellResult]) -> None:
         r.speedup_vs_bf16_same_compile = r.tps / same if same else None
 
 
-def _num(x: float) -> str:
+def format_number(x: float) -> str:
+    """x for a table cell: whole with thousands separators from 100, two decimals from 1, else 3 digits."""
     if abs(x) >= 100:
         return f"{x:,.0f}"
     if abs(x) >= 1:
@@ -43,7 +45,7 @@ def _num(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _opt(x: float | None, fmt: Any = _num) -> str:
+def _opt(x: float | None, fmt: Any = format_number) -> str:
     return "n/a" if x is None else fmt(x)
 
 
@@ -65,8 +67,8 @@ def render_table(results: list[CellResult]) -> str:
             rows.append(f"| {r.precision} | {r.compile} | failed | | | | | | | |")
             continue
         rows.append(
-            f"| {r.precision} | {r.compile} | {r.tps:,.0f} | {_num(r.tflops)} | {_opt(r.mfu_pct)} "
-            f"| {_num(r.peak_memory_gib)} | {_opt(r.first_step_s)} | {r.final_loss:.4f} "
+            f"| {r.precision} | {r.compile} | {r.tps:,.0f} | {format_number(r.tflops)} | {_opt(r.mfu_pct)} "
+            f"| {format_number(r.peak_memory_gib)} | {_opt(r.first_step_s)} | {r.final_loss:.4f} "
             f"| {_opt(r.speedup_vs_bf16_eager, speedup_text)} | {_opt(r.speedup_vs_bf16_same_compile, speedup_text)} |"
         )
     return "\n".join(rows)

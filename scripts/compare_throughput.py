@@ -29,12 +29,24 @@ import shlex
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_chart import chart_data, chart_title, write_chart
-from compare_report import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.cells import (  # noqa: E402
+    COMPILE_MODES,
+    PRECISIONS,
+    ArgParser,
+    BadArgs,
+    cell_overrides,
+    comma_names,
+    environment,
+    option_names,
+)
+from scripts.compare_chart import chart_data, chart_title, write_chart  # noqa: E402
+from scripts.compare_report import (  # noqa: E402
     ResultFileError,
     Run,
-    _num,  # noqa: F401  (scripts/gpu_check.py uses the helpers marked so through this module)
     add_speedups,
     load_run,
     render_failures,
@@ -43,95 +55,62 @@ from compare_report import (
     render_table,
     report_json,
 )
-from compare_run import (
-    COMPILE_MODES,
-    PRECISIONS,
-    ROOT,
-    _display,  # noqa: F401
-    _launcher,  # noqa: F401
-    _option_names,
-    _read_metrics,  # noqa: F401
-    _stream,  # noqa: F401
-    cell_overrides,
-    environment,
-    failure_reason,  # noqa: F401
-    run_cell,
-    summarize,  # noqa: F401
-)
+from scripts.compare_run import run_cell  # noqa: E402
 
 DEFAULT_STEPS = 20
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise _BadArgs(message)
-
-
-class _BadArgs(Exception):
-    pass
-
-
-def _names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
-    names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    if not names:
-        raise _BadArgs(f"{option} needs at least one of {', '.join(allowed)}")
-    for n in names:
-        if n not in allowed:
-            raise _BadArgs(f"{option}: unknown name '{n}' (choose from {', '.join(allowed)})")
-    return names
-
-
 def _check_chart_args(cli: argparse.Namespace) -> None:
     if not cli.results:
-        raise _BadArgs("--chart needs at least one comparison.json to draw from")
+        raise BadArgs("--chart needs at least one comparison.json to draw from")
     if cli.config or cli.out or cli.profile_step is not None:
-        raise _BadArgs("--chart draws from result files and runs nothing: drop --config, --out and --profile-step")
+        raise BadArgs("--chart draws from result files and runs nothing: drop --config, --out and --profile-step")
     if cli.labels is not None:
         cli.labels = [s.strip() for s in cli.labels.split(",")]
         if len(cli.labels) != len(cli.results) or not all(cli.labels) or len(set(cli.labels)) != len(cli.labels):
-            raise _BadArgs(f"--labels needs {len(cli.results)} distinct non-empty names, one per result file")
+            raise BadArgs(f"--labels needs {len(cli.results)} distinct non-empty names, one per result file")
 
 
 def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
     if cli.results or cli.labels is not None or cli.title is not None:
-        raise _BadArgs("result files, --labels and --title are read only with --chart")
+        raise BadArgs("result files, --labels and --title are read only with --chart")
     missing = [name for name, value in (("--config", cli.config), ("--out", cli.out)) if not value]
     if missing:
-        raise _BadArgs(f"the following arguments are required: {', '.join(missing)} (or --chart PNG RESULT.json ...)")
-    cli.precisions = _names(cli.precisions, PRECISIONS, "--precisions")
-    cli.compile = _names(cli.compile, COMPILE_MODES, "--compile")
+        raise BadArgs(f"the following arguments are required: {', '.join(missing)} (or --chart PNG RESULT.json ...)")
+    cli.precisions = comma_names(cli.precisions, PRECISIONS, "--precisions")
+    cli.compile = comma_names(cli.compile, COMPILE_MODES, "--compile")
     if cli.nproc < 1:
-        raise _BadArgs(f"--nproc must be >= 1, got {cli.nproc}")
+        raise BadArgs(f"--nproc must be >= 1, got {cli.nproc}")
     if cli.steps < 1:
-        raise _BadArgs(f"--steps must be >= 1, got {cli.steps}")
+        raise BadArgs(f"--steps must be >= 1, got {cli.steps}")
     if cli.warmup is None:
         cli.warmup = min(3, cli.steps - 1)
     if not 0 <= cli.warmup < cli.steps:
-        raise _BadArgs(f"--warmup must be in [0, steps), got {cli.warmup} with --steps {cli.steps}")
+        raise BadArgs(f"--warmup must be in [0, steps), got {cli.warmup} with --steps {cli.steps}")
     if cli.profile_step is not None and not (
         1 <= cli.profile_step <= cli.steps and set(range(cli.warmup + 1, cli.steps + 1)) - {cli.profile_step}
     ):
-        raise _BadArgs(f"--profile-step must be a step in [1, {cli.steps}] that leaves a measured step after "
-                       f"the {cli.warmup} warm-up steps, got {cli.profile_step}")
+        raise BadArgs(f"--profile-step must be a step in [1, {cli.steps}] that leaves a measured step after "
+                      f"the {cli.warmup} warm-up steps, got {cli.profile_step}")
     if not Path(cli.config).is_file():
-        raise _BadArgs(f"config file not found: {cli.config}")
-    owned = set(_option_names(cell_overrides("rowwise", "none", 1, "x", 1))) - {"float8.fsdp_float8_all_gather"}
-    for name in _option_names(extras):
+        raise BadArgs(f"config file not found: {cli.config}")
+    owned = set(option_names(cell_overrides("rowwise", "none", 1, "x", 1))) - {"float8.fsdp_float8_all_gather"}
+    for name in option_names(extras):
         if name == "config":
-            raise _BadArgs("pass --config before `--`, not after it")
+            raise BadArgs("pass --config before `--`, not after it")
         if name in owned:
-            raise _BadArgs(f"--{name} is set for each cell by this script; use --precisions, --compile, --steps, "
-                           "--profile-step or --out")
+            raise BadArgs(f"--{name} is set for each cell by this script; use --precisions, --compile, --steps, "
+                          "--profile-step or --out")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(options, train.py overrides after `--`); raises _BadArgs with a one-line message."""
+    """(options, train.py overrides after `--`); raises BadArgs with a one-line message."""
     if "--" in argv:
         cut = argv.index("--")
         argv, extras = argv[:cut], argv[cut + 1:]
     else:
         extras = []
-    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = ArgParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Arguments after `--` are passed to every train.py run.")
     p.add_argument("--config", help="train.py TOML config (required unless --chart)")
     p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run; >1 uses torch.distributed.run")
@@ -166,7 +145,7 @@ def _check_train_args(cli: argparse.Namespace, extras: list[str]) -> None:
                 build_config(["--config", cli.config, *extras,
                               *cell_overrides(precision, mode, cli.steps, "x", cli.profile_step)])
             except UserError as e:
-                raise _BadArgs(str(e)) from None
+                raise BadArgs(str(e)) from None
 
 
 def draw_from_files(cli: argparse.Namespace) -> int:
@@ -191,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if cli.chart:
             return draw_from_files(cli)
         _check_train_args(cli, extras)
-    except _BadArgs as e:
+    except BadArgs as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     out = Path(cli.out)

@@ -14,10 +14,8 @@ import torch
 from float8.linear import scaled_mm_supported
 from models.llama import LLAMA2_FLAVORS
 from models.llama.model import precompute_rope
+from scripts import bench_float8 as bench
 from tests.helpers import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import bench_float8 as bench
 
 SMOKE_ARGS = dataclasses.replace(LLAMA2_FLAVORS["debug"], dim=64, n_heads=4, n_kv_heads=4, max_seq_len=64)
 # torch 2.11's CPU _scaled_mm takes per-tensor scales only; the bench does not emulate the rest.

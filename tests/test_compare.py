@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from scripts import cells
+from scripts import compare_chart as chart
+from scripts import compare_report as rep
+from scripts import compare_run as cr
+from scripts import compare_throughput as ct
+from scripts import profile_summary as ps
 from tests.helpers import ROOT
 from tests.test_profile_summary import EXPECTED, synthetic_trace
 from trainer.config import build_config
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import compare_chart as chart
-import compare_report as rep
-import compare_run as cr
-import compare_throughput as ct
-import profile_summary as ps
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Small enough that a compiled cell costs seconds, not minutes, on 2 cores.
@@ -59,7 +58,7 @@ def test_summarize_drops_warmup_and_takes_medians():
     # Step 1 is the compile step: slow, and must only show up in first_step_s.
     records = [_record(1, 10.0, mem=3.0), _record(2, 50.0), _record(3, 100.0, mfu=40.0),
                _record(4, 300.0, mfu=50.0), _record(5, 200.0, loss=2.5, mfu=45.0)]
-    s = cr.summarize(list(reversed(records)), warmup=2)
+    s = cells.summarize_metrics(list(reversed(records)), warmup=2)
     assert s["tps"] == 200.0 and s["tflops"] == pytest.approx(0.2)
     assert s["mfu_pct"] == 45.0
     assert s["peak_memory_gib"] == 3.0  # max over every step, warm-up included
@@ -68,9 +67,9 @@ def test_summarize_drops_warmup_and_takes_medians():
 
 
 def test_summarize_mfu_null_on_cpu_and_no_steps_after_warmup():
-    assert cr.summarize([_record(1, 5.0), _record(2, 7.0)], warmup=1)["mfu_pct"] is None
+    assert cells.summarize_metrics([_record(1, 5.0), _record(2, 7.0)], warmup=1)["mfu_pct"] is None
     with pytest.raises(ValueError, match="no steps after the 3 warm-up steps"):
-        cr.summarize([_record(1, 5.0), _record(2, 7.0)], warmup=3)
+        cells.summarize_metrics([_record(1, 5.0), _record(2, 7.0)], warmup=3)
 
 
 def test_speedups_against_bf16_eager_and_same_compile():
@@ -144,20 +143,20 @@ def test_markdown_has_table_failures_and_provenance():
     ],
 )
 def test_failure_reason(lines, rc, expected):
-    assert cr.failure_reason([line + "\n" for line in lines], rc) == expected
+    assert cells.failure_reason([line + "\n" for line in lines], rc) == expected
 
 
 def test_cell_overrides_win_over_user_and_config(tmp_path):
     base = ["--config", "configs/debug.toml", "--float8.fsdp_float8_all_gather", "true"]
-    cfg = build_config([*base, *cr.cell_overrides("rowwise", "block", 5, str(tmp_path))])
+    cfg = build_config([*base, *cells.cell_overrides("rowwise", "block", 5, str(tmp_path))])
     assert cfg.float8.enabled and cfg.float8.scaling == "rowwise"
     assert not cfg.float8.fsdp_float8_all_gather  # tensorwise-only feature, off for the other cells
     assert cfg.compile.mode == "block" and cfg.training.steps == 5 and cfg.metrics.log_freq == 1
     assert cfg.job.dump_folder == str(tmp_path) and cfg.job.run_name == "rowwise-block"
     assert not cfg.checkpoint.enable and not cfg.profiling.enable
-    tensorwise = build_config([*base, *cr.cell_overrides("tensorwise", "none", 5, str(tmp_path))])
+    tensorwise = build_config([*base, *cells.cell_overrides("tensorwise", "none", 5, str(tmp_path))])
     assert tensorwise.float8.fsdp_float8_all_gather  # the user's choice stands for tensorwise
-    bf16 = build_config([*base, "--float8.enabled", "true", *cr.cell_overrides("bf16", "model", 5, "x")])
+    bf16 = build_config([*base, "--float8.enabled", "true", *cells.cell_overrides("bf16", "model", 5, "x")])
     assert not bf16.float8.enabled and bf16.compile.mode == "model"
 
 
@@ -270,11 +269,11 @@ def test_chart_without_matplotlib_is_skipped_with_a_message(tmp_path, monkeypatc
 
 
 def test_profile_step_traces_one_step_and_leaves_it_out_of_the_medians(tmp_path):
-    cfg = build_config(["--config", "configs/debug.toml", *cr.cell_overrides("tensorwise", "block", 5, "x", 4)])
+    cfg = build_config(["--config", "configs/debug.toml", *cells.cell_overrides("tensorwise", "block", 5, "x", 4)])
     assert cfg.profiling.enable and cfg.profiling.steps == [4]
     records = [_record(1, 10.0), _record(2, 100.0), _record(3, 110.0), _record(4, 20.0)]
-    assert cr.summarize(records, 1, frozenset({4}))["tps"] == 105.0
-    assert cr.summarize(records, 1, frozenset({4}))["steps_measured"] == 2
+    assert cells.summarize_metrics(records, 1, frozenset({4}))["tps"] == 105.0
+    assert cells.summarize_metrics(records, 1, frozenset({4}))["steps_measured"] == 2
     trace = tmp_path / "profiles" / "step-4" / "rank-0.json"
     trace.parent.mkdir(parents=True)
     trace.write_text(json.dumps(synthetic_trace()))

@@ -10,11 +10,13 @@ import sys
 
 import pytest
 
+from scripts import convert_weights
+from scripts import gpu_check as gc
+from scripts import gpu_check_checks as checks
+from scripts import gpu_check_runs as runs
+from scripts.cells import BadArgs
+from scripts.gpu_check_report import Row, render_table
 from tests.helpers import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import convert_weights
-import gpu_check as gc
 
 
 def _rows(losses: list[float], grad_norms: list[float] | None = None, first: int = 1) -> list[dict]:
@@ -33,19 +35,19 @@ def _cli(*args: str):
 def test_parity_passes_within_tolerance_and_reports_the_differences():
     fsdp = _rows([10.0, 9.0, 8.0], [2.0, 2.0, 2.0])
     tp = _rows([10.01, 9.0, 8.0], [2.0, 2.05, 2.0])
-    ok, note = gc.parity_verdict(fsdp, tp)
+    ok, note = checks.parity_verdict(fsdp, tp)
     assert ok
     assert note == "max rel diff steps 1-3: loss 1.0e-03, grad_norm 2.4e-02"
 
 
 @pytest.mark.parametrize("loss,grad", [(10.5, 2.0), (10.0, 2.3), (math.nan, 2.0), (10.0, math.inf)])
 def test_parity_fails_beyond_tolerance_or_on_non_finite_values(loss, grad):
-    ok, _ = gc.parity_verdict(_rows([10.0, 9.0, 8.0], [2.0] * 3), _rows([loss, 9.0, 8.0], [grad, 2.0, 2.0]))
+    ok, _ = checks.parity_verdict(_rows([10.0, 9.0, 8.0], [2.0] * 3), _rows([loss, 9.0, 8.0], [grad, 2.0, 2.0]))
     assert not ok
 
 
 def test_parity_fails_when_a_step_is_missing():
-    ok, note = gc.parity_verdict(_rows([10.0, 9.0, 8.0]), _rows([10.0, 9.0]))
+    ok, note = checks.parity_verdict(_rows([10.0, 9.0, 8.0]), _rows([10.0, 9.0]))
     assert not ok and note == "steps [3] missing"
 
 
@@ -53,37 +55,37 @@ def test_resume_bitwise_equal_rows_pass():
     reference = _rows([10.0, 9.0, 8.0, 7.0, 6.5, 6.0], [3.0, 2.9, 2.8, 2.7, 2.6, 2.5])
     # A resumed metrics.jsonl: the killed run's rows up to the checkpoint, then the rerun's.
     resumed = reference[:3] + [dict(r) for r in reference[3:]]
-    ok, note = gc.resume_verdict(reference, resumed, after=3, last=6)
+    ok, note = checks.resume_verdict(reference, resumed, after=3, last=6)
     assert ok and note == "steps 4-6 bitwise equal to the reference"
 
 
 def test_resume_only_compares_the_steps_after_the_checkpoint():
     reference = _rows([10.0, 9.0, 8.0, 7.0, 6.5, 6.0])
     resumed = _rows([11.0, 11.0, 11.0]) + reference[3:]  # steps 1-3 differ: not compared
-    assert gc.resume_verdict(reference, resumed, after=3, last=6)[0]
+    assert checks.resume_verdict(reference, resumed, after=3, last=6)[0]
 
 
 def test_resume_small_difference_passes_as_not_bitwise_large_one_fails():
     reference = _rows([10.0, 9.0, 8.0, 7.0, 6.5, 6.0])
     close = reference[:5] + _rows([6.0 * (1 + 5e-4)], first=6)
-    ok, note = gc.resume_verdict(reference, close, after=3, last=6)
+    ok, note = checks.resume_verdict(reference, close, after=3, last=6)
     assert ok and note.startswith("steps 4-6 not bitwise: max rel diff loss 5.0e-04")
     far = reference[:5] + _rows([6.1], first=6)
-    assert not gc.resume_verdict(reference, far, after=3, last=6)[0]
+    assert not checks.resume_verdict(reference, far, after=3, last=6)[0]
 
 
 def test_resume_fails_on_missing_steps_or_a_resume_at_the_last_step():
     reference = _rows([10.0, 9.0, 8.0, 7.0, 6.5, 6.0])
-    ok, note = gc.resume_verdict(reference, reference[:5], after=3, last=6)
+    ok, note = checks.resume_verdict(reference, reference[:5], after=3, last=6)
     assert not ok and note == "steps 4-6: steps [6] missing"
-    ok, note = gc.resume_verdict(reference, reference, after=6, last=6)
+    ok, note = checks.resume_verdict(reference, reference, after=6, last=6)
     assert not ok and "no steps left" in note
 
 
 def test_check_records():
-    assert gc.check_records(_rows([3.0, 2.0]), 2) is None
-    assert gc.check_records(_rows([3.0, 2.0]), 3) == "metrics end at step 2 of 3"
-    assert gc.check_records(_rows([3.0, math.nan]), 2) == "non-finite loss at steps [2]"
+    assert checks.check_records(_rows([3.0, 2.0]), 2) is None
+    assert checks.check_records(_rows([3.0, 2.0]), 3) == "metrics end at step 2 of 3"
+    assert checks.check_records(_rows([3.0, math.nan]), 2) == "non-finite loss at steps [2]"
 
 
 # -- rows, skipping and the table ------------------------------------------------------------
@@ -111,13 +113,13 @@ def test_one_process_skips_tp_and_parity_and_runs_the_rest():
 
 def test_render_table_shows_results_metrics_and_skip_reasons():
     rows = [
-        gc.Row("fsdp-bf16-none", "layouts", "FSDP 1", "bf16", "none", result="pass", tps=123456.7,
-               peak_gib=13.93, first_step_s=2.01, notes=["a", "b"]),
-        gc.Row("tp-bf16-none", "layouts", "TP 2", "bf16", "none", needs=2, result="skipped",
-               reason="needs 2 GPUs"),
-        gc.Row("resume-sync", "resume", "FSDP 1", "tensorwise", "block").fail("x | y"),
+        Row("fsdp-bf16-none", "layouts", "FSDP 1", "bf16", "none", result="pass", tps=123456.7,
+            peak_gib=13.93, first_step_s=2.01, notes=["a", "b"]),
+        Row("tp-bf16-none", "layouts", "TP 2", "bf16", "none", needs=2, result="skipped",
+            reason="needs 2 GPUs"),
+        Row("resume-sync", "resume", "FSDP 1", "tensorwise", "block").fail("x | y"),
     ]
-    lines = gc.render_table(rows).splitlines()
+    lines = render_table(rows).splitlines()
     assert lines[0].startswith("| row | layout | precision | compile | result | tokens/s/GPU")
     assert lines[2] == "| fsdp-bf16-none | FSDP 1 | bf16 | none | pass | 123,457 | 13.93 | 2.01 | a; b |"
     assert lines[3] == "| tp-bf16-none | TP 2 | bf16 | none | skipped (needs 2 GPUs) |  |  |  |  |"
@@ -134,19 +136,19 @@ def test_options_defaults_and_errors():
     for bad, message in [(["--only", "layout"], "unknown name 'layout'"),
                          (["--steps", "3"], "--steps must be > 3"),
                          (["--", "--training.steps", "9"], "--training.steps after `--` is set")]:
-        with pytest.raises(gc.ct._BadArgs, match=message):
+        with pytest.raises(BadArgs, match=message):
             _cli(*bad)
 
 
 def test_last_wins_keeps_each_option_once_with_its_last_value():
     args = ["--a", "1", "--b", "2", "--a", "3"]
-    assert gc.last_wins(args) == ["--a", "3", "--b", "2"]
+    assert runs.last_wins(args) == ["--a", "3", "--b", "2"]
 
 
 def test_children_finds_a_child_process():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert child.pid in gc._children(os.getpid())
+        assert child.pid in runs._children(os.getpid())
     finally:
         child.kill()
         child.wait()
@@ -180,7 +182,7 @@ def test_cpu_smoke_run_layouts_and_resume(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
-    table = gc.render_table([]).splitlines()[0]
+    table = render_table([]).splitlines()[0]
     assert table in lines and all(line.startswith("|") for line in lines[lines.index(table):])
     report = json.loads((out / "gpu_check.json").read_text())
     results = {r["name"]: r for r in report["rows"]}

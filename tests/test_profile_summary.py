@@ -12,10 +12,8 @@ import torch
 from torch import nn
 
 from float8 import Float8Config, convert_to_float8_training
+from scripts import profile_summary as ps
 from tests.helpers import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import profile_summary as ps
 
 CPU, GPU = 100, 0
 

@@ -1,0 +1,1 @@
+"""The repository's scripts, a package so that each imports the others as scripts.<module>."""
