@@ -8,18 +8,21 @@ same seed and data; arguments after `--` go to every run. Step time: median of t
 after the first (which compiles); memory: `memory/peak_active_gib` of the last step (CUDA
 active bytes; on CPU it is the process's peak RSS, which says little about activations).
 Each row also gives memory and time relative to the same precision and compile mode
-without AC, and the last loss (AC must not change it beyond float noise).
+without AC, and the last loss (AC must not change it beyond float noise). An earlier
+benchmark's results in --out move to --out/previous-N/ first.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,12 +30,23 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.cells import (  # noqa: E402
+    COMPILE_MODES,
+    PRECISIONS,
+    ArgParser,
+    BadArgs,
     cell_overrides,
+    comma_names,
     failure_reason,
+    keep_earlier_results,
     read_metrics,
     run_logged,
     train_launcher,
 )
+from trainer.config import ActivationCheckpointMode  # noqa: E402
+
+AC_MODES = typing.get_args(ActivationCheckpointMode)
+# Every cell folder a benchmark can leave in --out, whatever its lists were, and its results.
+OUTPUTS = ("results.json", *("-".join(cell) for cell in itertools.product(PRECISIONS, COMPILE_MODES, AC_MODES)))
 
 
 def cell_args(a: argparse.Namespace, precision: str, compile_mode: str, ac: str, dump: Path) -> list[str]:
@@ -97,11 +111,11 @@ def render(cells: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Options (.argv: those before `--`; .extra: the train.py overrides after it); raises BadArgs."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    argv, extra = argv[:cut], argv[cut + 1:]
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/7b_fp8.toml")
     p.add_argument("--flavor", default="7B")
     p.add_argument("--n-layers", type=int, default=4)
@@ -114,23 +128,38 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="dump folders, logs and results.json (default: a temp dir)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     a = p.parse_args(argv)
-    a.extra = extra
-    a.out = a.out or tempfile.mkdtemp(prefix="bench_ac_")
+    a.argv, a.extra = argv, extra
+    a.precisions = comma_names(a.precisions, PRECISIONS, "--precisions")
+    a.compile = comma_names(a.compile, COMPILE_MODES, "--compile")
+    a.ac = comma_names(a.ac, AC_MODES, "--ac")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        a = parse_args(argv)
+    except BadArgs as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if not a.out:
+        a.out = tempfile.mkdtemp(prefix="bench_ac_")
+    else:
+        keep_earlier_results(Path(a.out), OUTPUTS)
     cells = []
-    for precision in a.precisions.split(","):
-        for compile_mode in a.compile.split(","):
-            for ac in a.ac.split(","):
-                cell = run_cell(a, precision, compile_mode, ac)
-                cells.append(cell)
-                status = f"{cell['step_ms']:.0f} ms" if cell["ok"] else f"failed: {cell['reason']}"
-                print(f"{precision} compile={compile_mode} ac={ac}: {status}", flush=True)
-    (Path(a.out) / "results.json").write_text(json.dumps({"argv": argv, "extra": extra, "cells": cells}, indent=1))
+    for precision, compile_mode, ac in itertools.product(a.precisions, a.compile, a.ac):
+        cell = run_cell(a, precision, compile_mode, ac)
+        cells.append(cell)
+        status = f"{cell['step_ms']:.0f} ms" if cell["ok"] else f"failed: {cell['reason']}"
+        print(f"{precision} compile={compile_mode} ac={ac}: {status}", flush=True)
+    (Path(a.out) / "results.json").write_text(json.dumps({"argv": a.argv, "extra": a.extra, "cells": cells}, indent=1))
     import torch
 
     print(f"\ntorch {torch.__version__}, {a.flavor} x {a.n_layers} layers, batch {a.batch_size} x seq "
           f"{a.seq_len}, {a.steps} steps; logs in {a.out}\n")
     print(render(cells))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

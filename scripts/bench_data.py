@@ -23,7 +23,8 @@ rank 0 tokenized per step (counted without workers). The exchange table gives th
 step and the median wall time and the CPU time of a round's all-gather between N processes of
 this host, and of an all-gather of one number (the latency floor of N processes on these
 cores: with more processes than cores, wall time is mostly waiting to be scheduled).
-Rank 0's batches are checked to be the same before and after.
+Rank 0's batches are checked to be the same before and after. An earlier --out file moves to
+previous-N/ beside it first.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.cells import keep_earlier_results  # noqa: E402
 from trainer.config import build_config  # noqa: E402
 from trainer.data.exchange import ThreadExchange, world_exchange  # noqa: E402
 from trainer.data.loader import build_dataloader  # noqa: E402
@@ -194,6 +196,9 @@ def main() -> None:
     a = parser.parse_args()
     os.chdir(ROOT)
     cfg = build_config(["--config", a.config])
+    out = Path(a.out) if a.out else None
+    if out is not None:
+        keep_earlier_results(out.parent, [out.name])
     spec = importlib.util.spec_from_file_location("data_before", a.before)
     before = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(before)
@@ -241,9 +246,9 @@ def main() -> None:
     for e in exchanges:
         print(f"| {e['ranks']} | {e['rounds_per_step']:.2f} | {e['round_ms']:.2f} / {e['round_cpu_ms']:.2f} | "
               f"{e['floor_ms']:.2f} / {e['floor_cpu_ms']:.2f} |")
-    if a.out:
+    if out is not None:
         results = [{k: v for k, v in r.items() if k != "batches"} for r in rows]
-        Path(a.out).write_text(json.dumps({"loaders": results, "exchange": exchanges}, indent=1))
+        out.write_text(json.dumps({"loaders": results, "exchange": exchanges}, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Times forward + backward of
 for bf16 and every float8 scaling, eager and compiled (each block compiled
 with fullgraph=True, as the trainer does), with this repository's float8 package
 (--impl ours), torchao's (--impl torchao) or both side by side. Prints a table last and
-writes JSON.
+writes JSON (--out); an earlier file there moves to previous-N/ beside it first.
 
     python scripts/bench_float8.py --out bench_float8.json          # ~5 min on an H200
     python scripts/bench_float8.py --only blocks --impl both        # ours vs torchao, same run
@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
 from models.llama import LLAMA2_FLAVORS, TransformerBlock  # noqa: E402
 from models.llama.model import precompute_rope  # noqa: E402
 from scripts.bench_float8_report import add_speedups, print_report  # noqa: E402
+from scripts.cells import keep_earlier_results  # noqa: E402
 from scripts.float8_impls import IMPLS, ReferenceMissing, convert, torchao_version  # noqa: E402
 from scripts.profile_summary import CLASSES, load_trace  # noqa: E402
 from scripts.profile_summary import summarize as summarize_trace  # noqa: E402
@@ -246,6 +247,8 @@ def main() -> None:
         shapes, tokens, n_blocks, batch, seq = LINEAR_SHAPES_7B, 8192, 4, 2, 4096
         warmup, iters = (2, 5) if opts.quick else (3, 10)
     timer = Timer(device)
+    out = Path(opts.out)
+    keep_earlier_results(out.parent, [out.name])
 
     rows: list[dict] = []
     failures: list[str] = []
@@ -283,7 +286,7 @@ def main() -> None:
         "results": rows,
         "failures": failures,
     }
-    Path(opts.out).write_text(json.dumps(result, indent=2))
+    out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {opts.out} ({result['device']}, " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ")")
     print_report(rows, failures)
 

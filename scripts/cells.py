@@ -4,7 +4,8 @@ A cell is one train.py run of one precision x compile mode. scripts/compare_run.
 gpu_check_runs.py and bench_ac.py build their runs from these parts: the train.py options
 that define a cell, the launch command, a run logged as it goes, the reason a run failed,
 its metrics.jsonl and their medians, and the machine it ran on. The argument helpers at the
-end are what the scripts' command lines share.
+end are what the scripts' command lines share, with the two rules for an output that exists:
+benchmarks keep earlier results (`keep_earlier_results`), generators refuse (`refuse_to_overwrite`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import threading
 import typing
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +227,29 @@ def comma_names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
         if n not in allowed:
             raise BadArgs(f"{option}: unknown name '{n}' (choose from {', '.join(allowed)})")
     return names
+
+
+def keep_earlier_results(folder: Path, names: Iterable[str]) -> Path | None:
+    """Move the entries `names` of `folder` that exist into ``folder/previous-N/`` (N = 1, 2, ...),
+    as train.py keeps an earlier run's records, and say so in one line.
+
+    Called before any new result is written, so a run that fails leaves the earlier results intact.
+    Returns the folder they went to, or None when there was nothing to keep.
+    """
+    present = [folder / name for name in dict.fromkeys(names) if (folder / name).exists()]
+    if not present:
+        return None
+    taken = [int(p.name.split("-", 1)[1]) for p in folder.glob("previous-*") if p.name.split("-", 1)[1].isdigit()]
+    target = folder / f"previous-{max(taken, default=0) + 1}"
+    target.mkdir()
+    for path in present:
+        path.rename(target / path.name)
+    print(f"kept the earlier {', '.join(p.name for p in present)} in {target}/", flush=True)
+    return target
+
+
+def refuse_to_overwrite(paths: Iterable[Path], flag: str = "--force") -> None:
+    """Raise BadArgs naming the first of `paths` that exists: a generator overwrites only when asked to."""
+    for path in paths:
+        if path.exists():
+            raise BadArgs(f"{path} exists; pass {flag} to overwrite it, or choose another --out")

@@ -78,13 +78,11 @@ def profile_of(run_dir: Path, step: int) -> dict[str, Any]:
 
 def run_cell(precision: str, compile_mode: str, cli: argparse.Namespace, extras: list[str],
              out: Path, train_py: str) -> CellResult:
-    """One cell's train.py run, dumping to out/runs/<cell>/ with its TensorBoard files under out/tb/."""
+    """One cell's train.py run, dumping to a new out/runs/<cell>/ with its TensorBoard files under out/tb/."""
     result = CellResult(precision, compile_mode)
     run_dir = out / "runs" / result.name
     tb_dir = out / "tb" / result.name
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(tb_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True)  # compare_throughput moved an earlier comparison's runs/ aside
     cmd = [*train_launcher(cli.nproc, train_py), "--config", cli.config, *extras,
            *cell_overrides(precision, compile_mode, cli.steps, str(run_dir), cli.profile_step)]
     result.command = display_command(cmd)

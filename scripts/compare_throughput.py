@@ -17,6 +17,9 @@ so compilation shows up only in the first-step time. Writes, under --out:
     tb/<cell>/         each run's TensorBoard events, side by side
     runs/<cell>/       each run's dump folder and log.txt (stdout + stderr)
 
+An earlier comparison's files there move to --out/previous-N/ first, as train.py keeps an
+earlier run's records.
+
 --chart draws the chart alone from one or more comparison.json files, merging their cells.
 """
 
@@ -41,6 +44,7 @@ from scripts.cells import (  # noqa: E402
     cell_overrides,
     comma_names,
     environment,
+    keep_earlier_results,
     option_names,
 )
 from scripts.compare_chart import chart_data, chart_title, write_chart  # noqa: E402
@@ -58,6 +62,8 @@ from scripts.compare_report import (  # noqa: E402
 from scripts.compare_run import run_cell  # noqa: E402
 
 DEFAULT_STEPS = 20
+# What a comparison writes under --out (run_cell: runs/, tb/); the next comparison moves them aside.
+OUTPUTS = ("comparison.md", "comparison.json", "comparison.png", "tb", "runs")
 
 
 def _check_chart_args(cli: argparse.Namespace) -> None:
@@ -174,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     out = Path(cli.out)
+    keep_earlier_results(out, OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
     train_py = "train.py" if Path.cwd().resolve() == ROOT else str(ROOT / "train.py")
     script = "scripts/compare_throughput.py" if Path.cwd().resolve() == ROOT else str(Path(__file__).resolve())

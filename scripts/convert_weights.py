@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
+from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer, initialized_model
 from models.llama.weight_conversion import StateDict, WeightsError, check_state_dict
 from models.llama.weight_files import FORMATS, load_tensor_file, read_weights, write_weights
 from trainer.checkpoint.dcp_reader import (
@@ -86,11 +86,10 @@ def random_weights(
 ) -> tuple[LlamaArgs, StateDict]:
     """The flavour's model (vocab from the flavour, as in train.py) initialised like train.py.
 
-    Follows trainer.model_setup.init_weights. On CPU it seeds, builds a full Transformer (whose
-    constructor draws from the generator too) and calls init_weights(): in float32 this
-    reproduces train.py's initial weights bitwise. On CUDA, train.py's GPU sequence: meta
-    model, to_empty, seed, init_weights (CUDA generator; not checked bitwise against train.py,
-    whose parameters are DTensors there).
+    models.llama.initialized_model is train.py's recipe: in float32 on CPU its weights are
+    train.py's bitwise. On CUDA it draws from the CUDA generator (not checked bitwise against
+    train.py, whose parameters are DTensors there). `dtype` is the default dtype while the
+    model is built, so a bf16 model never has an fp32 copy.
     """
     args = LLAMA2_FLAVORS[flavor]
     if n_layers:
@@ -98,16 +97,7 @@ def random_weights(
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        if device == "cpu":
-            torch.manual_seed(seed)
-            model = Transformer(args)
-        else:
-            with torch.device("meta"):
-                model = Transformer(args)
-            model.to_empty(device=device)
-            torch.manual_seed(seed)
-        with torch.no_grad():
-            model.init_weights()
+        model = initialized_model(args, seed, device)
     finally:
         torch.set_default_dtype(default)
     return args, {key: t.cpu() for key, t in model.state_dict().items()}

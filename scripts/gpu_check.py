@@ -17,7 +17,8 @@ Groups (--only; default all):
 Base config configs/7b_fp8.toml (sft: configs/7b_sft_fp8.toml) with --layers layers; arguments
 after `--` go to every train.py run. Rows needing more GPUs than --nproc are skipped. Writes, under
 --out: gpu_check.md, gpu_check.json, runs/<row>/log.txt (other runs of a row: log-<phase>.txt) and
-each run's dump folder. The table comes last on stdout; exit code 0 iff no row that ran failed.
+each run's dump folder; an earlier check's files there move to --out/previous-N/ first. The
+table comes last on stdout; exit code 0 iff no row that ran failed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import datetime
 import json
 import os
 import shlex
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from scripts.cells import (  # noqa: E402
     comma_names,
     display_command,
     environment,
+    keep_earlier_results,
     option_names,
 )
 from scripts.gpu_check_checks import CKPT_STEP, PARITY_STEPS, WARMUP  # noqa: E402
@@ -53,6 +54,8 @@ from scripts.gpu_check_report import Row, render_markdown, render_table  # noqa:
 from scripts.gpu_check_runs import GROUP_RUNNERS, cell_args  # noqa: E402
 
 GROUPS = tuple(GROUP_RUNNERS)  # in the order their rows run
+# What a check writes under --out (w/: sft's converted weights); the next check moves them aside.
+OUTPUTS = ("gpu_check.md", "gpu_check.json", "runs", "w")
 
 
 def skip_rows(rows: list[Row], nproc: int, unit: str = "GPUs") -> None:
@@ -94,7 +97,6 @@ def run_all(cli: argparse.Namespace, table: list[Row]) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for i, row in enumerate(table, 1):
         if row.result != "skipped":
-            shutil.rmtree(cli.out / "runs" / row.name, ignore_errors=True)
             GROUP_RUNNERS[row.group](cli, row, state)
         text = row.result + (f" ({row.reason})" if row.reason else "")
         print(f"[{i}/{len(table)}] {row.name}: {text}, {row.wall_s:.0f} s", flush=True)
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     os.chdir(ROOT)  # the configs name data/ and the tokenizer relative to the repository
+    keep_earlier_results(cli.out, OUTPUTS)
     cli.out.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     table = build_rows(cli, cli.groups)

@@ -253,7 +253,6 @@ def resume_row(cli: argparse.Namespace, row: Row, state: dict[str, Any]) -> None
     deterministic = ["--training.deterministic", "true"]
     if "resume_reference" not in state:
         ref = Row("resume-reference", "resume", row.layout, row.precision, row.compile)
-        shutil.rmtree(cli.out / "runs" / ref.name, ignore_errors=True)
         state["resume_reference"] = run_cell(cli, ref, deterministic, steps=cli.resume_steps)
         print(f"resume reference: {ref.result} {ref.reason}".rstrip() + f", {ref.wall_s:.0f} s", flush=True)
     reference = state["resume_reference"]
@@ -294,7 +293,6 @@ def sft_row(cli: argparse.Namespace, row: Row, state: dict[str, Any]) -> None:
     convert = [sys.executable, "scripts/convert_weights.py"]
     row.notes.append(f"{cli.sft_layers} layers{cli.sft_layers_note}")
     if fmt == "hf":
-        shutil.rmtree(w, ignore_errors=True)
         convert += ["--from", "random", "--to", "hf", "--flavor", cli.flavor, "--dtype", "bf16",
                     "--n-layers", str(cli.sft_layers), "--device", cli.device, str(w / "hf")]
     elif not state.get("hf_weights"):

@@ -5,16 +5,26 @@ templated stories, fact sheets, dialogues, arithmetic and counting. The text is
 regular enough that a tiny LLaMA's loss falls clearly within 100 steps, and
 varied enough (a few hundred words) to be a useful tokenizer corpus.
 
-    python scripts/make_corpus.py                 # writes data/corpus/*.jsonl
+    python scripts/make_corpus.py --force         # rewrites the shipped data/corpus/*.jsonl
     python scripts/make_corpus.py --out /tmp/c --docs 100
-    python scripts/make_corpus.py --out data/heldout --docs 200 --shards 1 --seed 1 --name valid
+    python scripts/make_corpus.py --out data/heldout --docs 200 --shards 1 --seed 1 --name valid --force
+
+An --out that holds <name>-*.jsonl shards is refused unless --force, which replaces all of
+them: a stale shard left beside the new ones would be trained on.
 """
 
 import argparse
 import json
-import os
 import random
 import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
 
 NAMES = [
     "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry", "Ivy", "Jack",
@@ -233,25 +243,37 @@ def make_docs(n_docs: int, seed: int) -> list[str]:
     return docs
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data/corpus", help="output folder")
     p.add_argument("--docs", type=int, default=3000, help="number of documents")
     p.add_argument("--shards", type=int, default=2, help="number of JSONL files")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="train", help="file name prefix: <name>-00000.jsonl, ...")
-    args = p.parse_args()
+    p.add_argument("--force", action="store_true", help="replace the <name>-*.jsonl shards already in --out")
+    try:
+        args = p.parse_args(argv)
+        out = Path(args.out)
+        earlier = sorted(out.glob(f"{args.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))
+        if not args.force:
+            refuse_to_overwrite(earlier)
+    except BadArgs as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     docs = make_docs(args.docs, args.seed)
-    os.makedirs(args.out, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in earlier:
+        path.unlink()
     per = -(-len(docs) // args.shards)
     for i in range(args.shards):
-        path = os.path.join(args.out, f"{args.name}-{i:05d}.jsonl")
+        path = out / f"{args.name}-{i:05d}.jsonl"
         with open(path, "w", encoding="utf-8", newline="\n") as f:
             for d in docs[i * per:(i + 1) * per]:
                 f.write(json.dumps({"text": d}) + "\n")
         print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

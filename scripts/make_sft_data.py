@@ -6,13 +6,22 @@ learns on a 2-core CPU in minutes: sort 3-5 distinct digits, name the largest of
 held-out split shares no (task, input) with train. A quarter of the alpaca rows
 carry the input inside the instruction, with an empty "input".
 
-    python scripts/make_sft_data.py          # writes data/sft/{train,eval,chat_example}.jsonl
+    python scripts/make_sft_data.py --force  # rewrites data/sft/{train,eval,chat_example}.jsonl
+
+An --out that holds any of the three files is refused unless --force.
 """
 
 import argparse
 import json
-import os
 import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
 
 WORDS = [
     "cat", "dog", "cow", "duck", "owl", "fox", "bear", "bee", "pig", "hen",
@@ -27,6 +36,7 @@ TASKS = {
 # "max" is learned first; the harder tasks get more of the rows
 WEIGHTS = {"sort": 3, "max": 1.5, "reverse": 3, "repeat": 2.5}
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Answer with the result only."]
+FILES = ("train.jsonl", "eval.jsonl", "chat_example.jsonl")
 
 
 def make_input(rng: random.Random, task: str) -> tuple[str, ...]:
@@ -89,28 +99,36 @@ def chat_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_jsonl(path: str, rows: list[dict]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     print(f"wrote {path} ({len(rows)} rows)")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data/sft", help="output folder")
     p.add_argument("--train", type=int, default=10000, help="train rows")
     p.add_argument("--eval", type=int, default=400, help="held-out rows")
     p.add_argument("--chat", type=int, default=40, help="chat-format example rows")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    p.add_argument("--force", action="store_true", help=f"overwrite {', '.join(FILES)} in --out")
+    try:
+        args = p.parse_args(argv)
+        out = Path(args.out)
+        if not args.force:
+            refuse_to_overwrite(out / name for name in FILES)
+    except BadArgs as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
-    os.makedirs(args.out, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     train, held_out = make_splits(args.train, args.eval, args.seed)
-    write_jsonl(os.path.join(args.out, "train.jsonl"), train)
-    write_jsonl(os.path.join(args.out, "eval.jsonl"), held_out)
-    write_jsonl(os.path.join(args.out, "chat_example.jsonl"), chat_rows(args.chat, args.seed + 1))
+    for name, rows in zip(FILES, (train, held_out, chat_rows(args.chat, args.seed + 1)), strict=True):
+        write_jsonl(out / name, rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,7 +8,9 @@ contribute their LLaMA-2 chat rendering, so ``[INST]`` and the task words
 become compact pieces. Lines are sentences, so newlines fall back to bytes
 as in LLaMA-2. Same inputs, same model bytes.
 
-    python scripts/train_tokenizer.py     # data/corpus + data/sft -> data/tokenizer.model
+    python scripts/train_tokenizer.py --force  # data/corpus + data/sft -> data/tokenizer.model
+
+An existing --out is refused unless --force (checked before training).
 """
 
 import argparse
@@ -16,11 +18,13 @@ import io
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import sentencepiece as spm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite
 from trainer.data.loader import BadRow, DataSource
 from trainer.data.sft import SFTOptions, detect_format, parse_row, turn_strings
 from trainer.errors import UserError
@@ -78,22 +82,29 @@ def train(paths: list[str], vocab_size: int) -> bytes:
     return model.getvalue()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="*", default=["data/corpus", "data/sft/train.jsonl", "data/sft/chat_example.jsonl"],
                    help="files or folders (JSONL, parquet, text)")
     p.add_argument("--out", default="data/tokenizer.model")
     p.add_argument("--vocab-size", type=int, default=2048)
-    args = p.parse_args()
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
     try:
+        args = p.parse_args(argv)
+        if not args.force:
+            refuse_to_overwrite([Path(args.out)])
         model = train(args.inputs, args.vocab_size)
+    except BadArgs as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        return e.exit_code
     with open(args.out, "wb") as f:
         f.write(model)
     print(f"wrote {args.out} ({len(model)} bytes, vocab {args.vocab_size})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.llama import LLAMA2_FLAVORS, Transformer
+from models.llama import LLAMA2_FLAVORS, Transformer, initialized_model
 from models.llama.weight_conversion import hf_config_from_args, llama_to_hf
-from models.llama.weight_files import read_weights, write_weights
+from models.llama.weight_files import load_tensor_file, read_weights, write_weights
 from scripts.convert_weights import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +100,15 @@ def test_reads_pytorch_model_bin(tmp_path: Path, debug_state_dict: dict[str, tor
     (hf_dir / "config.json").write_text(json.dumps(hf_config_from_args(DEBUG)))
     _, state_dict = read_weights("hf", hf_dir, DEBUG)
     assert_same(state_dict, debug_state_dict)
+
+
+def test_random_source_is_the_trainers_initial_weights(tmp_path: Path) -> None:
+    # A one-process CPU train.py run starts from initialized_model's weights (trainer/model_setup.py).
+    assert main(["--from", "random", "--to", "torch", "--flavor", "debug", "--n-layers", "1", "--seed", "7",
+                 str(tmp_path / "random.safetensors")]) == 0
+    trainers = initialized_model(dataclasses.replace(DEBUG, n_layers=1), seed=7).state_dict()
+    assert_same(load_tensor_file(tmp_path / "random.safetensors"), trainers)
+    assert {t.dtype for t in trainers.values()} == {torch.float32}
 
 
 def test_bad_inputs_exit_2_with_one_line(
