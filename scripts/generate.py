@@ -18,8 +18,11 @@ Any ``--section.key value`` overrides the config as in train.py.
 One process, no float8: DCP checkpoints (also of sharded or float8 runs, whose linears
 keep ordinary weights) load into a plain model; it runs in fp32 on CPU, bf16 on GPU.
 Decoding uses a static KV cache (models/llama/generation.py): the prompts are prefilled in
-one forward, then each step runs one token per row; ``--compile`` compiles that step, and
-``--no_kv_cache`` runs the whole sequence for every token instead (the slow reference).
+one forward, then each step runs one token per row, on CUDA replayed as a CUDA graph (captured
+in about a second). ``--compile`` also compiles the blocks: faster steps, but the first call
+compiles for 10-25 s at 7B (docs/benchmarks.md), so it pays for long generations only.
+``--eager`` neither captures nor compiles, and ``--no_kv_cache`` runs the whole sequence for
+every token instead (the slow reference). A line on stderr reports the new tokens per second.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -91,7 +95,7 @@ def load_model(
     # Generation needs no training kernel: the cache attends through SDPA, and the
     # recompute path's padding mask is small. flex_attention would only add a compilation.
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="sdpa"))
-    args = model_args_for(cfg, tokenizer.n_words)
+    args = model_args_for(cfg, tokenizer.n_words, device.type)
     if weights is not None:
         path = Path(weights)
         if not path.exists():
@@ -135,6 +139,19 @@ def chat_prompt(tokenizer: Tokenizer, user: str, system: str | None = None) -> l
     return tokenizer.encode(prompt, bos=True, eos=False)
 
 
+class Progress:
+    """A stderr line, rewritten in place: prompts done, new tokens, tokens per second."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.start = total, time.perf_counter()
+
+    def __call__(self, rows: int, tokens: int) -> None:
+        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+        end = "\n" if rows == self.total else ""
+        print(f"\r{rows}/{self.total} prompts, {tokens} new tokens, {rate:,.1f} tokens/s", end=end,
+              file=sys.stderr, flush=True)
+
+
 def generate_with(
     opts: argparse.Namespace,
     model: Transformer,
@@ -144,12 +161,22 @@ def generate_with(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    batch_size: int | None = None,
 ) -> list[list[int]]:
-    """``generate`` with the KV cache as the flags ask: off (--no_kv_cache), eager, or --compile."""
+    """Generate as the flags ask: --no_kv_cache, --eager, --compile, or the device's default.
+
+    On CUDA the step replays as a CUDA graph by default; --compile also compiles the blocks,
+    which pays for its compilation only over thousands of decode steps (docs/benchmarks.md).
+    """
+    progress = Progress(len(prompts))
     if opts.no_kv_cache:
-        return generate_without_cache(model, prompts, max_new_tokens, eos_id, temperature, top_p, generator)
+        outputs = generate_without_cache(model, prompts, max_new_tokens, eos_id, temperature, top_p, generator)
+        progress(len(prompts), sum(map(len, outputs)))
+        return outputs
     return generate(
-        model, prompts, max_new_tokens, eos_id, temperature, top_p, generator, compile_decode=opts.compile
+        model, prompts, max_new_tokens, eos_id, temperature, top_p, generator, compile_decode=opts.compile,
+        cuda_graph=model.output.weight.device.type == "cuda" and not opts.eager, batch_size=batch_size,
+        progress=progress,
     )
 
 
@@ -167,7 +194,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--max_new_tokens", type=int, help="tokens to generate at most")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the one-token decode step")
+    parser.add_argument(
+        "--compile", action="store_true", help="compile the blocks (the first call compiles; see docs/benchmarks.md)"
+    )
+    parser.add_argument("--eager", action="store_true", help="no CUDA graph, no compilation (on CPU the default)")
     parser.add_argument(
         "--no_kv_cache", action="store_true", help="run the whole sequence for every token (the slow reference)"
     )
@@ -181,6 +211,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
         raise UserError(f"--max_new_tokens must be positive, got {opts.max_new_tokens}")
     if opts.compile and opts.no_kv_cache:
         raise UserError("--compile compiles the KV-cache decode step, so it does not go with --no_kv_cache")
+    if opts.compile and opts.eager:
+        raise UserError("--eager and --compile contradict each other: pick one")
     return opts, cfg
 
 

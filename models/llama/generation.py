@@ -1,94 +1,93 @@
-"""Autoregressive generation: a static KV cache (prefill once, then one token per step) and
-the recompute-everything reference it must agree with.
+"""Autoregressive generation: batched decoding from a static KV cache, and the
+recompute-everything reference it must agree with.
 
 Batches are left-padded: row i of width W holds ``W - n_i`` padding slots, then its prompt.
 Each row's RoPE positions restart at its first token and its padding is a document of its
-own, so every row computes what it would alone. The cache has fixed shapes, (B, H_kv,
-slots, D) per layer, written in place at the current slot, so the decode step compiles to
-one graph that every step reuses (``compile_decode``).
+own, so every row computes what it would alone. ``generate`` decodes ``batch_size`` prompts
+at a time with a ``StaticDecoder`` (models/llama/static_decoder.py): every batch has the
+same shapes (the last one is filled with dummy rows), the prompt width is padded to a
+bucket, and the tokens stay on the device, the host looking at them only every
+``STOP_CHECK_EVERY`` tokens to stop once every row has ended. Rows go on decoding after
+their EOS until then; what they produce there is cut off afterwards, so the output is what
+stopping at once would give.
 """
 
 from __future__ import annotations
 
-import functools
+import weakref
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .model import Transformer
+from .static_decoder import StaticDecoder, prompt_bucket, sample
+
+__all__ = ["STOP_CHECK_EVERY", "generate", "generate_without_cache", "sample"]
+
+# One host sync per this many tokens; up to this many - 1 steps run after the last row ends.
+STOP_CHECK_EVERY = 8
+# Cache slots are rounded up to a multiple of this, so that calls with nearby prompt widths
+# share one decoder and its compiled, captured step.
+SLOT_MULTIPLE = 128
+
+# The last decoder of each model, reused while calls ask for the same shapes; only one is
+# kept since each holds a whole KV cache.
+_decoders: weakref.WeakKeyDictionary[Transformer, tuple[tuple, StaticDecoder]] = weakref.WeakKeyDictionary()
 
 
-class KVCache:
-    """Keys and values of every layer for ``slots`` positions of ``batch`` rows."""
-
-    def __init__(self, model: Transformer, batch: int, slots: int) -> None:
-        args = model.model_args
-        weight = model.output.weight
-        shape = (batch, args.n_kv_heads, slots, args.head_dim)
-        self.keys = [torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in range(args.n_layers)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-
-
-def _forward_cached(
-    model: Transformer,
-    cache: KVCache,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
-    """Logits (B, vocab) of the last of ``tokens`` (B, S), whose keys and values go to ``slots`` (S,).
-
-    mask (B, 1, S, K): which of the first K cache slots each new token sees.
-    """
-    bs, seqlen = tokens.shape
-    kv_len = mask.shape[-1]
-    rope = model.rope_cache[positions]
-    h = model.tok_embeddings(tokens)
-    for layer, block in enumerate(model.layers.values()):
-        attn = block.attention
-        q, k, v = attn.project_qkv(block.attention_norm(h), rope)
-        cache.keys[layer].index_copy_(2, slots, k.transpose(1, 2))
-        cache.values[layer].index_copy_(2, slots, v.transpose(1, 2))
-        keys, values = cache.keys[layer][:, :, :kv_len], cache.values[layer][:, :, :kv_len]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=attn.n_rep > 1
-        )
-        h = h + attn.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
-        h = h + block.feed_forward(block.ffn_norm(h))
-    return model.output(model.norm(h[:, -1]))
+def _decoder(model: Transformer, batch: int, slots: int, compile_decode: bool | str, cuda_graph: bool) -> StaticDecoder:
+    backend = "inductor" if compile_decode is True else compile_decode or None
+    key = (batch, slots, backend, cuda_graph)
+    held = _decoders.get(model)
+    if held is None or held[0] != key:
+        # Freed before the next one is allocated: two 7B caches need not fit at once.
+        _decoders.pop(model, None)
+        held = (key, StaticDecoder(model, batch, slots, backend, cuda_graph))
+        _decoders[model] = held
+    return held[1]
 
 
-def _decode_step(
-    model: Transformer, cache: KVCache, tokens: torch.Tensor, slot: torch.Tensor, pad: torch.Tensor
-) -> torch.Tensor:
-    """Logits (B, vocab) after ``tokens`` (B,) at ``slot`` (a 0-d tensor: no recompile per step).
-
-    pad (B,): padding slots in front of each row; a token sees its row's slots from there on.
-    """
-    seen = torch.arange(cache.keys[0].shape[2], device=tokens.device)
-    mask = (seen <= slot) & (seen.unsqueeze(0) >= pad.unsqueeze(1))
-    positions = (slot - pad).clamp(max=model.model_args.max_seq_len - 1).unsqueeze(1)
-    return _forward_cached(model, cache, tokens.unsqueeze(1), positions, slot.reshape(1), mask[:, None, None])
+def _draws(steps: int, rows: int, generator: torch.Generator | None) -> torch.Tensor:
+    """(steps, rows) uniforms: token k of row i samples with draw (k, i), whichever path runs."""
+    return torch.stack([torch.rand(rows, generator=generator) for _ in range(steps)])
 
 
-@functools.cache
-def _compiled_decode_step():
-    return torch.compile(_decode_step, fullgraph=True)
-
-
-def sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """One token per row of logits (B, vocab): argmax at temperature 0, else nucleus sampling."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-    sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= top_p] = 0.0
-    choice = torch.multinomial(sorted_probs.cpu(), 1, generator=generator).to(logits.device)
-    return order.gather(-1, choice).squeeze(-1)
+def _decode_batch(
+    decoder: StaticDecoder,
+    prompts: list[list[int]],
+    budgets: list[int],
+    eos_id: int,
+    uniforms: torch.Tensor | None,
+    temperature: float,
+    top_p: float,
+) -> list[list[int]]:
+    """New tokens of up to ``decoder.batch`` prompts, row i ending at EOS or after budgets[i]."""
+    device = decoder.out.device
+    width = prompt_bucket(max(len(p) for p in prompts))
+    steps = max(budgets)
+    # Dummy rows (a one-token prompt) fill the batch; their budget 0 ends them at once.
+    tokens = torch.zeros(decoder.batch, width, dtype=torch.long)
+    pad = [width - 1] * decoder.batch
+    for r, prompt in enumerate(prompts):
+        tokens[r, width - len(prompt):] = torch.tensor(prompt)
+        pad[r] = width - len(prompt)
+    budget = torch.tensor(budgets + [0] * (decoder.batch - len(prompts)), device=device)
+    if uniforms is not None:
+        uniforms = torch.cat([uniforms[:steps], uniforms.new_zeros(steps, decoder.batch - len(prompts))], 1)
+    decoder.prefill(tokens, torch.tensor(pad), uniforms, temperature, top_p)
+    produced = 1
+    while produced < steps:
+        decoder.decode(temperature, top_p)
+        produced += 1
+        if produced % STOP_CHECK_EVERY == 0:
+            ended = (decoder.out[:, :produced] == eos_id).any(1) | (budget <= produced)
+            if ended.all().item():
+                break
+    out = []
+    for row, n in zip(decoder.out[: len(prompts), :produced].tolist(), budgets):
+        row = row[:n]
+        out.append(row[: row.index(eos_id)] if eos_id in row else row)
+    return out
 
 
 @torch.no_grad()
@@ -100,52 +99,43 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
-    compile_decode: bool = False,
+    compile_decode: bool | str = False,
+    cuda_graph: bool = False,
+    batch_size: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[list[int]]:
-    """New tokens for each prompt (EOS excluded), batched, with a KV cache; temperature 0 is greedy.
+    """New tokens for each prompt (EOS excluded), with a static KV cache; temperature 0 is greedy.
 
     A row stops at EOS, after max_new_tokens, or when it reaches the model's max_seq_len.
-    ``compile_decode`` compiles the one-token step (the first call pays the compilation).
+    Prompts are decoded ``batch_size`` at a time (default: all at once). ``compile_decode``
+    compiles the blocks, with inductor or the torch.compile backend it names (the first call
+    of a shape pays the compilation); ``cuda_graph``
+    replays each token's step as a CUDA graph (model on CUDA). ``progress(prompts, tokens)``
+    is called after each batch with the number of prompts and of new tokens done so far.
     """
     limit = model.model_args.max_seq_len
     out: list[list[int]] = [[] for _ in prompts]
     rows = [i for i, p in enumerate(prompts) if 0 < len(p) < limit]
     if not rows or max_new_tokens <= 0:
         return out
-    device = model.output.weight.device
-    lengths = [len(prompts[i]) for i in rows]
-    width = max(lengths)
-    steps = min(max_new_tokens, limit - min(lengths))
-    cache = KVCache(model, len(rows), width + steps)
-
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    for r, (i, n) in enumerate(zip(rows, lengths)):
-        tokens[r, width - n:] = torch.tensor(prompts[i])
-    pad = torch.tensor([width - n for n in lengths], device=device)
-    slot = torch.arange(width, device=device)
-    in_prompt = slot.unsqueeze(0) >= pad.unsqueeze(1)
-    # Prefill: padding sees padding, prompt tokens see their prompt, both causally.
-    mask = (slot.unsqueeze(1) >= slot) & (in_prompt.unsqueeze(2) == in_prompt.unsqueeze(1))
-    positions = (slot - pad.unsqueeze(1)).clamp(min=0)
-    logits = _forward_cached(model, cache, tokens.to(device), positions, slot, mask.unsqueeze(1))
-
-    step_fn = _compiled_decode_step() if compile_decode else _decode_step
-    alive = list(range(len(rows)))
-    for step in range(steps):
-        chosen = sample(logits[alive], temperature, top_p, generator).tolist()
-        still = []
-        for r, token in zip(alive, chosen):
-            if token == eos_id:
-                continue
-            out[rows[r]].append(token)
-            if lengths[r] + len(out[rows[r]]) < limit:
-                still.append(r)
-        alive = still
-        if not alive or step == steps - 1:
-            break
-        # Finished rows keep decoding (fixed shapes); what they compute is never read.
-        last = torch.tensor([out[i][-1] if out[i] else 0 for i in rows], device=device)
-        logits = step_fn(model, cache, last, torch.tensor(width + step, device=device), pad)
+    batch = batch_size or len(rows)
+    batches = [rows[k : k + batch] for k in range(0, len(rows), batch)]
+    budgets = {i: min(max_new_tokens, limit - len(prompts[i])) for i in rows}
+    # One decoder for the whole call: its slots fit the widest bucket and the longest run.
+    needed = max(prompt_bucket(max(len(prompts[i]) for i in b)) + max(budgets[i] for i in b) for b in batches)
+    decoder = _decoder(model, batch, SLOT_MULTIPLE * -(-needed // SLOT_MULTIPLE), compile_decode, cuda_graph)
+    uniforms = _draws(max(budgets.values()), len(prompts), generator) if temperature > 0 else None
+    # Prompts that generate nothing (empty, or too long) count as done from the start.
+    done_rows, done_tokens = len(prompts) - len(rows), 0
+    for b in batches:
+        draws = None if uniforms is None else uniforms[:, b]
+        new = _decode_batch(decoder, [prompts[i] for i in b], [budgets[i] for i in b], eos_id, draws,
+                            temperature, top_p)
+        for i, tokens in zip(b, new):
+            out[i] = tokens
+        done_rows, done_tokens = done_rows + len(b), done_tokens + sum(map(len, new))
+        if progress is not None:
+            progress(done_rows, done_tokens)
     return out
 
 
@@ -182,7 +172,8 @@ def generate_without_cache(
             positions[row, width - n:] = torch.arange(n)
             documents[row, width - n:] = 1
         logits = model(tokens.to(device), position_ids=positions.to(device), document_ids=documents.to(device))
-        chosen = sample(logits[:, -1], temperature, top_p, generator).tolist()
+        uniform = _draws(1, len(prompts), generator)[0, active] if temperature > 0 else None
+        chosen = sample(logits[:, -1], temperature, top_p, uniform).tolist()
         still = []
         for i, token in zip(active, chosen):
             if token == eos_id:
