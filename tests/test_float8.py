@@ -292,9 +292,10 @@ def test_compiled_matches_eager_fullgraph(scaling):
         m.zero_grad()
     out_e, gx_e, _ = run(model, x, g)
     out_c, gx_c, _ = run(compiled, x, g)
-    if cpu_float8_emulated(scaling):
-        # Emulated row-wise GEMMs (torch 2.11 on CPU) round an fp32 product that inductor
-        # fuses differently, so compiled and eager differ by float8 noise, not more.
+    if cpu_float8_emulated(scaling) or scaling != "tensorwise":
+        # Row-wise GEMMs on CPU (emulated on torch 2.11, ATen's fp32 formula on 2.13: see
+        # float8/linear.py `_scaled_mm_cpu`) scale fp32 operands that inductor fuses with the
+        # per-row casts differently, so compiled and eager differ by float8 noise, not more.
         assert sqnr(out_e, out_c) >= 30 and sqnr(gx_e, gx_c) >= 30
     else:
         torch.testing.assert_close(out_c, out_e, rtol=1e-2, atol=1e-2)
