@@ -7,7 +7,9 @@ configs/debug_sft.toml), not here.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
 import os
 import re
 import subprocess
@@ -40,6 +42,14 @@ def exact_match(proc: subprocess.CompletedProcess) -> float:
     m = re.fullmatch(r"exact_match=(\d\.\d+)", last)
     assert m, proc.stdout[-2000:]
     return float(m.group(1))
+
+
+def reply_similarity(proc: subprocess.CompletedProcess) -> float:
+    """Mean character similarity (difflib ratio) of the shown answers to their references."""
+    pairs = re.findall(r"^(?:ok |BAD) .* -> ('.*'|\".*\") \(reference ('.*'|\".*\")\)$", proc.stdout, flags=re.M)
+    assert pairs, proc.stdout[-2000:]
+    ratios = [difflib.SequenceMatcher(None, ast.literal_eval(a), ast.literal_eval(r)).ratio() for a, r in pairs]
+    return sum(ratios) / len(ratios)
 
 
 def test_loader_trains_on_replies_only():
@@ -121,14 +131,16 @@ def test_short_sft_run_then_eval_and_generate(tmp_path):
     # whole reply yet: exact match needs the config's 1000 steps (0.9250, measured by hand).
     assert rows[-1]["step"] == 30 and rows[-1]["validation/accuracy"] >= 0.45, rows[-1]
 
-    trained = run_script("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24")
+    trained = run_script("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24",
+                         "--show", "24")
     assert f"weights: {tmp_path}/checkpoints/step-30" in trained.stdout
-    assert exact_match(trained) == 0.0
-
     untrained = run_script("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24",
-                           "--checkpoint.enable", "false")
+                           "--show", "24", "--checkpoint.enable", "false")
     assert "untrained" in untrained.stdout
-    assert exact_match(untrained) == 0.0
+    # No whole reply is right after 30 steps, but the replies are already nearer the references
+    # than the untrained model's (similarity 0.26 against 0.11, bf16, measured 2026-12-01).
+    assert exact_match(trained) <= 0.25 and exact_match(untrained) == 0.0
+    assert reply_similarity(trained) >= reply_similarity(untrained) + 0.1
 
     export = tmp_path / "checkpoints" / "final" / "model.safetensors"
     gen = run_script("generate.py", "--config", SFT, "--weights", str(export), "--max_new_tokens", "8",
