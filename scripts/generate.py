@@ -39,12 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from models.llama import Transformer  # noqa: E402
+from models.llama import Transformer, seeded_init  # noqa: E402
 from models.llama.generation import generate, generate_without_cache  # noqa: E402
 from models.llama.weight_conversion import WeightsError  # noqa: E402
 from models.llama.weight_files import read_weights  # noqa: E402
 from trainer.checkpoint.dcp_reader import load_dcp_model  # noqa: E402
 from trainer.checkpoint.folder import step_folders  # noqa: E402
+from trainer.checkpoint.identity import check_tokenizer  # noqa: E402
 from trainer.config import Config, build_config  # noqa: E402
 from trainer.data.sft import turn_strings  # noqa: E402
 from trainer.data.tokenizer import Tokenizer  # noqa: E402
@@ -104,14 +105,14 @@ def load_model(
     else:
         path_str, fmt = default_weights(cfg)
         path = Path(path_str) if path_str else None
+    if path is not None:
+        check_tokenizer(path, tokenizer)
     # Built on meta and materialised on the target device: a 7B model never needs a CPU copy.
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
     # Seeded: without weights this is a reproducible untrained model (and the rope table is set).
-    torch.manual_seed(cfg.training.seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
+    seeded_init(model, cfg.training.seed, device)
     if path is None:
         source = "no checkpoint: the untrained initialisation"
     elif fmt == "dcp":

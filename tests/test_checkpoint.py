@@ -139,8 +139,15 @@ def test_sigterm_saves_and_resume_is_bitwise(ref1, ref2, tmp_path, nproc):
     assert losses(tmp_path) == losses(ref)
 
 
+def continue_run(ref: Path, dump: Path) -> None:
+    """Make `dump` the dump folder of the run `ref`: its checkpoints are this run's own, not another's."""
+    dump.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ref / "run_id", dump / "run_id")
+
+
 def test_load_step_resumes_an_older_async_checkpoint(ref1, tmp_path):
     shutil.copytree(ref1 / "checkpoints", tmp_path / "checkpoints")
+    continue_run(ref1, tmp_path)
     out = ok(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path),
                         "--checkpoint.load_step", "15"]))
     assert "resumed from checkpoint at step 15" in out
@@ -305,6 +312,7 @@ def _damage_rng_file(step: Path) -> list[str]:
 def test_bad_checkpoint_is_one_line_exit_2(ref1, tmp_path, damage, expected):
     step = tmp_path / "checkpoints" / "step-20"
     shutil.copytree(ref1 / "checkpoints" / "step-20", step)
+    continue_run(ref1, tmp_path)
     extra_args = damage(step)
     line = one_error_line(run_train([*BASE, "--training.steps", "25", "--job.dump_folder", str(tmp_path), *extra_args]))
     assert expected in line and "step-20" in line, line
@@ -339,6 +347,7 @@ def test_checkpoint_with_a_pickled_entry_is_refused(ref1, tmp_path, how):
     """A .metadata that marks any entry (here an optimizer step) as bytes would make DCP unpickle it."""
     step = tmp_path / "checkpoints" / "step-20"
     shutil.copytree(ref1 / "checkpoints" / "step-20", step)
+    continue_run(ref1, tmp_path)
     marker = tmp_path / "PWNED"
     key = _plant_pickle(step, marker)
     args = [*BASE, "--training.steps", "25", "--job.dump_folder", str(tmp_path)]

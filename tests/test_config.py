@@ -77,6 +77,11 @@ def test_resolved_config_round_trips(tmp_path):
          "compile.mode = 'model' does not work with tensor_parallel_degree > 1"),
         (["--model.name", "llama2"], "unknown config key model.name in the command line"),
         (["--optimizer.name", "AdamW"], "unknown config key optimizer.name"),
+        # An unset shell variable: never the default config or folder in its place.
+        (["--config="], "--config is empty (an unset shell variable?); give a config file, or leave --config out"),
+        (["--config", ""], "--config is empty"),
+        (["--job.dump_folder", ""], "job.dump_folder is empty (an unset shell variable?); give it a value"),
+        (["--data.path="], "data.path is empty"),
     ],
 )
 def test_bad_input_is_one_user_error(args, message):

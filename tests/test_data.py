@@ -215,8 +215,8 @@ def error_of(tok: Tokenizer, path: Path | str, **kw) -> str:
 
 
 def test_missing_path(tok: Tokenizer, tmp_path: Path) -> None:
-    assert error_of(tok, tmp_path / "nope.jsonl") == f"data path not found: {tmp_path / 'nope.jsonl'}"
-    assert "data path not found" in error_of(tok, "tests/no_such_folder")
+    assert error_of(tok, tmp_path / "nope.jsonl") == f"data.path not found: {tmp_path / 'nope.jsonl'}"
+    assert "data.path not found" in error_of(tok, "tests/no_such_folder")
 
 
 def test_empty_data(tok: Tokenizer, tmp_path: Path) -> None:
@@ -226,8 +226,41 @@ def test_empty_data(tok: Tokenizer, tmp_path: Path) -> None:
     assert "has no documents" in error_of(tok, tmp_path / "blank.jsonl")
     (tmp_path / "nodata").mkdir()
     assert error_of(tok, tmp_path / "nodata") == (
-        f"data folder {tmp_path / 'nodata'} has no data files (.jsonl, .json, .parquet, .txt)"
+        f"data.path folder {tmp_path / 'nodata'} has no data files (.jsonl, .json, .parquet, .txt)"
     )
+
+
+def test_a_glob_reads_its_files_in_name_order(tok: Tokenizer, tmp_path: Path) -> None:
+    for name, docs in (("b-1.jsonl", DOCS[3:]), ("a-0.jsonl", DOCS[:3]), ("notes.jsonl", ["not matched"])):
+        (tmp_path / name).write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    batch = next(iter(loader(tok, tmp_path / "?-*.jsonl", seq_len=60, batch_size=1)))
+    assert batch["input_ids"][0].tolist() == stream(tok, DOCS)[:60]
+    assert error_of(tok, tmp_path / "*.parquet") == (
+        f"data.path glob {tmp_path / '*.parquet'} matches no data files (.jsonl, .json, .parquet, .txt)"
+    )
+    (tmp_path / "c.txt").write_text("text\n")
+    assert "data.path glob" in error_of(tok, tmp_path / "*") and "mixes formats" in error_of(tok, tmp_path / "*")
+
+
+def test_a_corpus_shorter_than_one_sequence_is_refused(tok: Tokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "tiny.jsonl"
+    path.write_text(json.dumps({"text": "a few words"}) + "\n")
+    tokens = len(stream(tok, ["a few words"]))
+    assert error_of(tok, path, seq_len=64) == (
+        f"data {path} holds {tokens} tokens, fewer than one sequence of seq_len + 1 = 65: every sequence "
+        "would repeat it; give more data or lower training.seq_len"
+    )
+    assert error_of(tok, path, seq_len=64, option="validation.path").startswith(f"validation.path {path} holds")
+
+
+def test_errors_of_held_out_data_name_validation_path(tok: Tokenizer, tmp_path: Path) -> None:
+    held_out = {"option": "validation.path"}
+    assert error_of(tok, tmp_path / "nope.jsonl", **held_out) == f"validation.path not found: {tmp_path / 'nope.jsonl'}"
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": 3}\n')
+    assert error_of(tok, path, **held_out) == f"validation.path {path}:2: field 'text' must be a string, got int"
+    path.write_text('{"text": ""}\n')
+    assert error_of(tok, path, **held_out) == f"validation.path {path} has no documents (no non-empty 'text')"
 
 
 def test_bad_json_line(tok: Tokenizer, tmp_path: Path) -> None:

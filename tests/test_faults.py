@@ -280,7 +280,7 @@ def test_a_live_run_holding_the_folder_stops_the_second(tmp_path):
     line = error_line(run_train(["--job.dump_folder", str(dump), *SMALL]))
     assert line == (f"error: job.dump_folder '{dump}' is in use by another run (pid {os.getpid()} on "
                     f"{socket.gethostname()}, started 2024-01-02 03:04:05); wait for it, use another "
-                    f"dump_folder, or delete {lock} if that run is gone")
+                    f"job.dump_folder, or delete {lock} if that run is gone")
     assert lock.read_text() == held and sorted(p.name for p in dump.iterdir()) == [".lock"]
 
 

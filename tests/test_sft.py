@@ -223,6 +223,31 @@ def test_packed_and_unpacked_give_the_same_per_sample_model_loss(tok: Tokenizer,
     assert max(abs(a - b) / b for a, b in zip(leaky[:n], unpacked)) > 1e-2
 
 
+def test_cut_and_dropped_samples_are_counted_on_the_console_at_the_first_batch(tok, tmp_path, capsys) -> None:
+    long_prompt = {"instruction": "Copy " + "red cat " * 40, "input": "", "output": "owl dog"}
+    long_reply = {"instruction": "Copy.", "input": "", "output": "blue " * 80}
+    short = {"instruction": "Copy.", "input": "", "output": "key"}
+    path = write_jsonl(tmp_path / "t.jsonl", [long_prompt, short, long_reply, short, short])
+    counts = (f"1 of 5 SFT samples of data {path} will be cut to their newest 32 tokens and 1 dropped to fit "
+              "training.seq_len = 32 (data.truncation = 'truncate_prompt'; the longest has ")
+    dl = build_dataloader(kind="sft", path=str(path), tokenizer=tok, seq_len=32, batch_size=1, dp_rank=0,
+                          dp_degree=1, seed=0, sft_options=SFTOptions(pack=False), verbose=True)
+    assert capsys.readouterr() == ("", "")
+    next(iter(dl))
+    out, err = capsys.readouterr()
+    assert out.startswith(counts) and out.count("\n") == 1 and err == ""
+    next(iter(dl))  # once per loader
+    assert capsys.readouterr() == ("", "")
+    # Most samples touched: a warning.
+    path = write_jsonl(tmp_path / "t.jsonl", [long_prompt, long_prompt, short])
+    dl = build_dataloader(kind="sft", path=str(path), tokenizer=tok, seq_len=32, batch_size=1, dp_rank=0,
+                          dp_degree=1, seed=0, sft_options=SFTOptions(pack=False), verbose=True)
+    next(iter(dl))
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"warning: 2 of 3 SFT samples of data {path} will be cut")
+    assert err.rstrip().endswith("most samples lose part of their prompt or all of it; raise training.seq_len")
+
+
 def test_unpacked_padding(tok: Tokenizer, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", rows_of_tasks(2))
     batch = next(iter(sft_loader(tok, path, pack=False, batch_size=2, shuffle=False)))

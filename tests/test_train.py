@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 from tests.helpers import read_metrics, run_train
 from trainer.metrics.logger import METRIC_KEYS
@@ -107,7 +108,10 @@ def test_the_config_is_read_never_written(tmp_path):
     cfg = build_config(["--job.dump_folder", str(dump), "--training.steps", "2", "--training.seq_len", "32",
                         "--model.n_layers", "1", "--metrics.enable_tensorboard", "false"])
     loaded = copy.deepcopy(cfg)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # the run installs its own
+    # The run installs its own signal handlers and, run directly, torchrun's environment
+    # (MASTER_PORT, ...), which later train.py subprocesses would inherit.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    environment = dict(os.environ)
     try:
         with run_folder.claim(cfg.job.dump_folder):
             Trainer(cfg).train()
@@ -115,6 +119,8 @@ def test_the_config_is_read_never_written(tmp_path):
         process_group.shutdown(clean=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        os.environ.clear()
+        os.environ.update(environment)
     assert cfg == loaded and cfg.training.mixed_precision_param == "auto"
     in_force = load_toml(str(dump / "config.toml"))
     assert in_force["training"]["mixed_precision_param"] == resolve_param_precision("auto", "cpu").dtype

@@ -294,3 +294,30 @@ def test_corrupt_file_is_named(tmp_path: Path, name: str) -> None:
     (tmp_path / name).write_bytes(b"not a checkpoint" * 10)
     with pytest.raises(WeightsError, match=rf"{name}: cannot read weights \(.+\)$"):
         read_weights("torch", tmp_path / name, TINY)
+
+
+def test_weights_of_an_integer_dtype_are_refused_naming_tensor_and_file(tmp_path: Path) -> None:
+    sd = random_state_dict()
+    sd["layers.1.attention.wk.weight"] = sd["layers.1.attention.wk.weight"].to(torch.int8)
+    write_weights("hf", sd, TINY, tmp_path / "hf")
+    with pytest.raises(WeightsError) as error:
+        read_weights("hf", tmp_path / "hf", TINY)
+    assert str(error.value) == (f"{tmp_path / 'hf' / 'model.safetensors'}: 'model.layers.1.self_attn.k_proj.weight' "
+                                "is int8, not a weight dtype (float32, bfloat16, float16, float64)")
+    write_weights("torch", {k: v.to(torch.bool) for k, v in random_state_dict().items()}, TINY, tmp_path / "w.pt")
+    with pytest.raises(WeightsError, match=r"w\.pt: 'tok_embeddings\.weight' is bool, not a weight dtype"):
+        read_weights("torch", tmp_path / "w.pt", TINY)
+
+
+def test_a_tensor_in_two_hf_files_is_refused_naming_both(tmp_path: Path) -> None:
+    """A stray *.safetensors beside the model (no index) would otherwise replace its tensors by name order."""
+    from safetensors.torch import load_file, save_file
+
+    write_weights("hf", random_state_dict(), TINY, tmp_path)
+    layer = {k: v for k, v in load_file(tmp_path / "model.safetensors").items() if ".layers.1." in k}
+    save_file({k: torch.zeros_like(v) for k, v in layer.items()}, tmp_path / "zz-old.safetensors")
+    with pytest.raises(WeightsError) as error:
+        read_weights("hf", tmp_path, TINY)
+    first = sorted(layer)[0]
+    assert str(error.value) == (f"{tmp_path}: {first!r} is in both model.safetensors and zz-old.safetensors; "
+                                "remove the file that does not belong to the model")

@@ -6,14 +6,17 @@ about this rank alone, then prefixed with the rank). The rank is the process gro
 it exists, torchrun's RANK before that, so messages work from the first line of a launch.
 
 Libraries keep their own mechanisms (`float8/` must not import the trainer; the data
-workers are separate processes): `route_library_warnings` sends python warnings and
-warnings logged to unconfigured loggers through `warn`, once each, and keeps torch's own
-log warnings to rank 0, where every rank would repeat them.
+workers are separate processes): `route_library_warnings` sends python warnings, warnings
+logged to unconfigured loggers and those of the chatty libraries of ROUTED_LOGGERS through
+`warn`, one line once each, so they add no raw lines beside an `error:` line; it keeps
+torch's own log warnings to rank 0, where every rank would repeat them. The profiler's
+progress lines (kineto's) are off unless KINETO_LOG_LEVEL is set.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch.distributed as dist
@@ -61,6 +64,10 @@ def warn(message: str, *, every_rank: bool = False, once: bool = False) -> None:
         print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
+def _one_line(record: logging.LogRecord) -> str:
+    return " ".join(line.strip() for line in record.getMessage().strip().splitlines() if line.strip())
+
+
 class _LibraryWarnings(logging.Handler):
     """Logged warnings of loggers with no handler of their own (python warnings included), via `warn`."""
 
@@ -68,23 +75,42 @@ class _LibraryWarnings(logging.Handler):
         super().__init__(logging.WARNING)
 
     def emit(self, record: logging.LogRecord) -> None:
-        warn(record.getMessage().strip(), once=True)
+        warn(_one_line(record), once=True)
+
+
+def _through_warn(record: logging.LogRecord) -> bool:
+    """A filter for a library's logger and handlers: its warnings and errors go through `warn` instead."""
+    if record.levelno < logging.WARNING:
+        return True
+    warn(_one_line(record), once=True, every_rank=record.levelno >= logging.ERROR)
+    return False
 
 
 def _below_error_on_rank_zero_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR or rank() == 0
 
 
+# Libraries whose logged warnings come through `warn`: datasets (with a handler of its own) and
+# torch's DTensor redistribution advice (through torch's handler, several lines' worth per call).
+ROUTED_LOGGERS = ("datasets", "torch.distributed.tensor._redistribute")
+
+
 def route_library_warnings() -> None:
     """Library warnings once, from rank 0: python warnings, other loggers' warnings, torch's log warnings.
 
-    Call once the libraries are imported (torch installs its log handlers on import);
-    calling it again changes nothing.
+    Call once the libraries are imported (torch and datasets install their log handlers on
+    import; a library imported later needs another call); calling it again changes nothing.
     """
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when the profiler starts
     logging.captureWarnings(True)
     root = logging.getLogger()
     if not any(isinstance(h, _LibraryWarnings) for h in root.handlers):
         root.addHandler(_LibraryWarnings())
+    for name in ROUTED_LOGGERS:
+        logger = logging.getLogger(name)
+        for filtered in (logger, *logger.handlers):
+            if _through_warn not in filtered.filters:
+                filtered.addFilter(_through_warn)
     # torch's loggers print through handlers of their own (set up on import), on every rank.
     for name, logger in logging.root.manager.loggerDict.items():
         if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):

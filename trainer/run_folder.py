@@ -5,6 +5,10 @@ complete or not at all (written aside, then hard-linked into place, which fails 
 exists), so a reader never sees half a lock. A lock whose process is gone from this host
 is stale: the next run takes it over with a warning. A lock of another host cannot be
 checked from here, so it is always treated as live.
+
+The checkpoint folder is the run's too: outside the dump folder it gets a lock of its own,
+and it may not lie in a folder that another live run has locked, so a second run can neither
+resume nor clean up (``step-N.partial``) checkpoints that a live run is writing.
 """
 
 from __future__ import annotations
@@ -29,15 +33,15 @@ LOCK_NAME = ".lock"
 RECORDS = ("metrics.jsonl", "tb", "config.toml")
 
 
-def check_writable(folder: Path) -> None:
-    """Create `folder` (and missing parents) and a probe file in it, or raise a one-line UserError."""
+def check_writable(folder: Path, option: str = "job.dump_folder") -> None:
+    """Create `folder` (and missing parents) and a probe file in it, or raise a one-line UserError naming `option`."""
     probe = folder / f".probe-{socket.gethostname()}-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"job.dump_folder '{folder}' is not a writable folder ({describe_error(e)})") from None
+        raise UserError(f"{option} '{folder}' is not a writable folder ({describe_error(e)})") from None
 
 
 def _owner() -> dict[str, Any]:
@@ -69,8 +73,35 @@ def _read_owner(lock: Path) -> Any:
         return None
 
 
-def acquire_lock(folder: Path) -> Path:
-    """Take ``<folder>/.lock`` for this process; a one-line UserError when another live run holds it."""
+def _in_use(option: str, folder: Path, owner: dict[str, Any], lock: Path) -> UserError:
+    where = f"'{folder}'" if lock.parent == folder else f"'{folder}' lies in {lock.parent}, which"
+    return UserError(
+        f"{option} {where} is in use by another run (pid {owner['pid']} on {owner.get('host')}, started "
+        f"{owner.get('started')}); wait for it, use another {option}, or delete {lock} if that run is gone"
+    )
+
+
+def _live_foreign_owner(lock: Path) -> dict[str, Any] | None:
+    """The owner of `lock` when it is another process that is still alive (or on another host)."""
+    owner = _read_owner(lock)  # None when there is no lock
+    if _is_stale(owner) or (owner["pid"] == os.getpid() and owner.get("host") == socket.gethostname()):
+        return None
+    return owner
+
+
+def check_not_locked_by_another_run(folder: Path, option: str, within: Path | None = None) -> None:
+    """Refuse `folder` when it, or a folder it lies in (below `within`, when given), is locked by another live run."""
+    places = [folder, *folder.parents]
+    if within is not None:
+        places = [p for p in places if _inside(p, within) and p.resolve() != within.resolve()]
+    for place in places:
+        owner = _live_foreign_owner(place / LOCK_NAME)
+        if owner is not None:
+            raise _in_use(option, folder, owner, place / LOCK_NAME)
+
+
+def acquire_lock(folder: Path, option: str = "job.dump_folder") -> Path:
+    """Take ``<folder>/.lock`` for this process; a one-line UserError naming `option` when another live run holds it."""
     lock = folder / LOCK_NAME
     mine = _owner()
     aside = folder / f"{LOCK_NAME}.{mine['host']}.{mine['pid']}"
@@ -84,11 +115,7 @@ def acquire_lock(folder: Path) -> Path:
                 pass
             owner = _read_owner(lock)
             if not _is_stale(owner):
-                raise UserError(
-                    f"job.dump_folder '{folder}' is in use by another run (pid {owner['pid']} on "
-                    f"{owner.get('host')}, started {owner.get('started')}); wait for it, use another "
-                    f"dump_folder, or delete {lock} if that run is gone"
-                )
+                raise _in_use(option, folder, owner, lock)
             warn(f"taking over the stale lock {lock} of a run that is gone ({_describe(owner)})")
             # Only the stale lock we read is removed: a run that took it over meanwhile keeps its own.
             if _read_owner(lock) == owner:
@@ -110,19 +137,37 @@ def release_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-@contextmanager
-def claim(folder: str) -> Iterator[None]:
-    """The dump folder for one run: checked writable on every rank, locked by rank 0 until the run ends.
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve() == folder.resolve() or folder.resolve() in path.resolve().parents
 
-    Entered before the model is built, so an unusable or busy folder costs nothing.
+
+@contextmanager
+def claim(folder: str, checkpoint_folder: Path | None = None) -> Iterator[None]:
+    """The dump folder (and the checkpoint folder, when the run uses one) for one run: checked
+    writable on every rank, locked by rank 0 until the run ends.
+
+    Entered before the model is built, so an unusable or busy folder costs nothing. A checkpoint
+    folder inside the dump folder is covered by the dump folder's lock; one outside gets its own.
+    Either way it may not be, or lie in, a folder another live run holds.
     """
     path = Path(folder)
     check_writable(path)
-    lock = acquire_lock(path) if launch_rank() == 0 else None
+    outside = checkpoint_folder is not None and not _inside(checkpoint_folder, path)
+    if outside:
+        check_writable(checkpoint_folder, "checkpoint.folder")
+    locks: list[Path] = []
     try:
+        if launch_rank() == 0:
+            locks.append(acquire_lock(path))
+            if checkpoint_folder is not None:
+                # Outside: it may lie in another live run's dump folder. Inside: another run may
+                # have taken it as its (outside) checkpoint folder.
+                check_not_locked_by_another_run(checkpoint_folder, "checkpoint.folder", None if outside else path)
+            if outside:
+                locks.append(acquire_lock(checkpoint_folder, "checkpoint.folder"))
         yield
     finally:
-        if lock is not None:
+        for lock in reversed(locks):
             release_lock(lock)
 
 

@@ -119,9 +119,14 @@ def skip_or_stop(outcome: StepOutcome, in_a_row: int, limit: int, is_main: bool)
     which, value = ("loss", loss) if not math.isfinite(loss) else ("grad_norm", grad_norm)
     if in_a_row > limit:
         allowed = f" ({in_a_row} in a row, training.skip_nonfinite_steps = {limit})" if limit else ""
+        # Before any update the learning rate cannot be the cause (non-finite initial weights
+        # are refused at load): the data or the model's numerics are.
+        fix = ("at step 1 no update has happened yet, so check the data and the model's precision "
+               "(training.mixed_precision_param, float8)" if step == 1 else
+               "lower optimizer.lr or raise lr_scheduler.warmup_steps")
         raise UserError(
-            f"step {step}: {which} is {value}, the step was not applied{allowed}; lower optimizer.lr or "
-            "raise lr_scheduler.warmup_steps (or allow skipped steps with training.skip_nonfinite_steps)"
+            f"step {step}: {which} is {value}, the step was not applied{allowed}; {fix} "
+            "(or allow skipped steps with training.skip_nonfinite_steps)"
         )
     if is_main:
         warn(f"step {step}: {which} is {value}, step skipped and retried on the next batch "

@@ -134,25 +134,27 @@ class Trainer:
         # One gloo group for the training and held-out loaders: they read in turn, on this thread,
         # in the same order on every rank.
         self.data_exchange = world_exchange()
-        self.dataloader = self._loader(cfg.data.path, cfg.data.num_workers)
+        self.dataloader = self._loader(cfg.data.path, cfg.data.num_workers, "data.path")
         self.validator = None
         if cfg.validation.enable:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
-                cfg.validation, self._loader(cfg.validation.path, 0), cfg.training.steps, device=self.device,
+                cfg.validation, self._loader(cfg.validation.path, 0, "validation.path"), cfg.training.steps,
+                device=self.device,
                 dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
 
-    def _loader(self, path: str, num_workers: int):
-        """The data loader for `path` (training or held-out data) with this run's data settings."""
+    def _loader(self, path: str, num_workers: int, option: str):
+        """The data loader for `path` (training or held-out data, named by its `option` in errors)
+        with this run's data settings."""
         cfg = self.cfg
         return build_dataloader(
             kind=cfg.data.kind, path=path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
             batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=self.dp, seed=cfg.training.seed,
             text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
             bad_rows=cfg.data.bad_rows, num_workers=num_workers, exchange=self.data_exchange,
-            verbose=self.is_main,
+            verbose=self.is_main, option=option,
         )
 
     def config_in_force(self) -> Config:

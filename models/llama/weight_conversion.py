@@ -81,16 +81,7 @@ def check_state_dict(
 
 # What a config file fixes about the model, in the order a mismatch is reported.
 # max_seq_len is left out: the rope table is recomputed for any length.
-_CONFIG_FIELDS = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "vocab_size",
-    "hidden_dim",
-    "norm_eps",
-    "rope_theta",
-)
+_CONFIG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "norm_eps", "rope_theta")
 
 
 def check_args_match(file_args: LlamaArgs, args: LlamaArgs, where: str) -> None:

@@ -58,14 +58,30 @@ def _as_state_dict(obj: object, path: Path) -> StateDict:
     return obj
 
 
+# What model weights are stored in: any other dtype (integers, booleans, float8 without its scales)
+# would be converted to the parameters' dtype silently and train a model of zeros or garbage.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_weight_dtypes(state_dict: StateDict, path: Path) -> StateDict:
+    for key, t in state_dict.items():
+        if t.dtype not in WEIGHT_DTYPES:
+            kinds = ", ".join(str(d).removeprefix("torch.") for d in WEIGHT_DTYPES)
+            raise WeightsError(f"{path}: {key!r} is {str(t.dtype).removeprefix('torch.')}, not a weight dtype ({kinds})")
+    return state_dict
+
+
 def load_tensor_file(path: Path) -> StateDict:
-    """A dict of tensors from .safetensors, or from a torch.save file without unpickling objects."""
+    """A dict of weights from .safetensors, or from a torch.save file without unpickling objects.
+
+    Tensors of any dtype but WEIGHT_DTYPES are refused.
+    """
     path = Path(path)
     if not path.is_file():
         raise WeightsError(f"{path}: file not found")
     try:
         if path.suffix == ".safetensors":
-            return load_file(path)
+            return _check_weight_dtypes(load_file(path), path)
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         raise WeightsError(
@@ -75,7 +91,7 @@ def load_tensor_file(path: Path) -> StateDict:
         # Corrupt archives come back as multi-line RuntimeErrors; one line is enough to name it.
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise WeightsError(f"{path}: cannot read weights ({first_line})") from None
-    return _as_state_dict(obj, path)
+    return _check_weight_dtypes(_as_state_dict(obj, path), path)
 
 
 def _require_dir(path: Path) -> Path:
@@ -100,8 +116,15 @@ def _read_hf_tensors(path: Path) -> StateDict:
     if not files:
         raise WeightsError(f"{path}: no *.safetensors or pytorch_model*.bin files")
     tensors: StateDict = {}
+    found_in: dict[str, str] = {}
     for name in files:
-        tensors.update(load_tensor_file(path / name))
+        for key, t in load_tensor_file(path / name).items():
+            if key in found_in:
+                # Merging would let one file (a stray copy, an older shard) override the other's tensor.
+                raise WeightsError(f"{path}: {key!r} is in both {found_in[key]} and {name}; remove the file "
+                                   "that does not belong to the model")
+            found_in[key] = name
+            tensors[key] = t
     return tensors
 
 

@@ -10,8 +10,10 @@ import torch
 import torch.distributed as dist
 
 from models.llama import LlamaArgs
+from trainer.checkpoint.identity import RunIdentity, new_run_id
 from trainer.checkpoint.schema import schedule_values
 from trainer.config import CheckpointConfig, Config, OptimizerConfig
+from trainer.data.tokenizer import Tokenizer
 from trainer.distributed.process_group import DistInfo
 
 
@@ -30,7 +32,8 @@ class CheckpointContext:
     """The run's checkpoint settings, its ranks and layout, and the config that a resume reconciles.
 
     `optimizer` is the run's optimizer config: a resume compares the checkpoint's hyperparameters
-    with it and says which are in force.
+    with it and says which are in force. `run` and `tokenizer` are what every checkpoint records
+    of the run and of its tokenizer (trainer/checkpoint/identity.py); a resume checks them.
     """
 
     config: CheckpointConfig
@@ -45,6 +48,8 @@ class CheckpointContext:
     schedule: dict[str, Any]
     optimizer: OptimizerConfig
     model_args: LlamaArgs
+    run: RunIdentity | None = None
+    tokenizer: dict[str, Any] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -54,13 +59,23 @@ class CheckpointContext:
     def for_run(
         cls, cfg: Config, model_args: LlamaArgs, ranks: DistInfo, dp: int, tp: int, global_batch: int
     ) -> CheckpointContext:
-        folder = Path(cfg.checkpoint.folder)
+        # A collective: a fresh run's new id is rank 0's on every rank.
+        new_id: list[Any] = [new_run_id()]
+        dist.broadcast_object_list(new_id, src=0)
         return cls(
-            config=cfg.checkpoint, folder=folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder,
+            config=cfg.checkpoint, folder=checkpoint_folder(cfg),
             rank=ranks.rank, world_size=ranks.world_size, device=ranks.device, dp=dp, tp=tp,
             global_batch=global_batch, training_steps=cfg.training.steps,
             schedule=schedule_values(cfg.lr_scheduler, cfg.training.steps), optimizer=cfg.optimizer, model_args=model_args,
+            run=RunIdentity.of_dump_folder(Path(cfg.job.dump_folder), cfg.to_dict(), new_id[0]),
+            tokenizer=Tokenizer(cfg.model.tokenizer_path).identity(),
         )
+
+
+def checkpoint_folder(cfg: Config) -> Path:
+    """checkpoint.folder as a path: relative to job.dump_folder unless absolute."""
+    folder = Path(cfg.checkpoint.folder)
+    return folder if folder.is_absolute() else Path(cfg.job.dump_folder) / folder
 
 
 def first_problem(problem: str, world_size: int) -> str:

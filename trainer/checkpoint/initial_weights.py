@@ -1,6 +1,7 @@
 """Initial model weights for a fresh run (``checkpoint.initial_load_path``): dcp, hf, meta or torch files.
 
-Only the model is loaded, never optimizer state. DCP folders are read sharded by every rank;
+Only the model is loaded, never optimizer state, and only finite weights, trained with this run's
+tokenizer where the weights record one. DCP folders are read sharded by every rank;
 the other formats are read whole by rank 0 and broadcast, so rank 0 alone holds the full
 state dict in host memory.
 """
@@ -20,11 +21,13 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from models.llama import LlamaArgs
 from models.llama.weight_conversion import WeightsError
 from models.llama.weight_files import read_weights
 from trainer.checkpoint.dcp_reader import check_model_keys, load_dcp_model
+from trainer.checkpoint.identity import check_tokenizer
 from trainer.errors import UserError
 from trainer.log import info
 
@@ -38,12 +41,35 @@ def load_full_state_dict(path: str, fmt: str, args: LlamaArgs) -> dict[str, torc
     return state_dict
 
 
+def _nonfinite_weights(model: nn.Module, world_size: int) -> tuple[int, str]:
+    """How many weights of the (sharded) `model` are NaN or infinite, and the first parameter holding one; a collective."""
+    count, first = 0, ""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            bad = int((~torch.isfinite(local)).sum())
+            count += bad
+            first = first or (name if bad else "")
+    found: list[Any] = [None] * world_size
+    dist.all_gather_object(found, (count, first))
+    # The wrappers (compile, activation checkpointing) add their names to the parameter's.
+    first = next((f for _, f in found if f), "").replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+    return sum(c for c, _ in found), first
+
+
 def load_initial_weights(
-    model: nn.Module, args: LlamaArgs, path: str, fmt: str, rank: int, world_size: int
+    model: nn.Module, args: LlamaArgs, path: str, fmt: str, rank: int, world_size: int,
+    tokenizer: dict[str, Any] | None = None,
 ) -> None:
-    """Load `path` (in format `fmt`) into the (sharded) `model`; a collective of every rank."""
+    """Load `path` (in format `fmt`) into the (sharded) `model`; a collective of every rank.
+
+    Refused in one line: weights recorded as trained with another `tokenizer` (its identity), and
+    weights that hold NaN or infinite values, which would stop the run at its first step.
+    """
     if not Path(path).exists():
         raise UserError(f"checkpoint.initial_load_path not found: {path}")
+    if tokenizer is not None:
+        check_tokenizer(path, tokenizer)
     start = time.perf_counter()
     if fmt == "dcp":
         load_dcp_model(model, path)
@@ -64,6 +90,12 @@ def load_initial_weights(
         check_model_keys(expected, box[0], f"checkpoint.initial_load_path {path}")
         set_model_state_dict(
             model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+    bad, first = _nonfinite_weights(model, world_size)
+    if bad:
+        raise UserError(
+            f"checkpoint.initial_load_path {path} holds {bad} NaN or infinite weights (the first in '{first}'): "
+            "these weights are damaged or diverged and cannot be trained from; use healthy weights"
         )
     seconds = time.perf_counter() - start
     # ru_maxrss is KiB on Linux: the peak so far, which shows what rank 0's full copy cost.

@@ -1,6 +1,6 @@
 """Resume from one checkpoint: everything is checked before anything loads.
 
-A refused checkpoint (damaged, hand-edited, another model or global batch) stops every rank
+A refused checkpoint (damaged, hand-edited, another model, tokenizer or global batch) stops every rank
 with one line and leaves no half-loaded state. Checksums are verified after the checks of
 extra.json, which name a truncated or hand-edited field precisely, and before ``dcp.load``,
 which would load damaged bytes without noticing.
@@ -30,6 +30,7 @@ from trainer.checkpoint.dcp_reader import (
     read_dcp_metadata,
 )
 from trainer.checkpoint.folder import older_hint, step_of
+from trainer.checkpoint.identity import check_same_tokenizer
 from trainer.checkpoint.rng import read_rng, restore_rng
 from trainer.checkpoint.schema import check_extra, param_groups_from_json, read_extra
 from trainer.checkpoint.state import MODEL_PREFIX, ModelAndOptimizer
@@ -47,6 +48,8 @@ def load_checkpoint(
     """
     start = time.perf_counter()
     extra = read_extra(path)
+    if context.tokenizer is not None:
+        check_same_tokenizer(extra.get("tokenizer"), context.tokenizer, f"checkpoint {path}")
     metadata = read_dcp_metadata(path, "checkpoint")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_model_keys({k: v.shape for k, v in model_sd.items()}, dcp_model_shapes(metadata, MODEL_PREFIX),

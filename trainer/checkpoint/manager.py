@@ -52,6 +52,7 @@ from trainer.checkpoint.folder import (
     step_folders,
     warn_if_short_of_space,
 )
+from trainer.checkpoint.identity import check_owner
 from trainer.checkpoint.initial_weights import load_initial_weights
 from trainer.checkpoint.load import load_checkpoint
 from trainer.checkpoint.rng import save_rng
@@ -169,6 +170,10 @@ class CheckpointManager:
             "tp": ctx.tp,
             "schedule": ctx.schedule,
         }
+        if ctx.run is not None:
+            extra["run"] = ctx.run.record()
+        if ctx.tokenizer is not None:
+            extra["tokenizer"] = ctx.tokenizer
         (partial / EXTRA_FILE).write_text(json.dumps(extra))
 
     def _poll_pending(self) -> None:
@@ -198,13 +203,41 @@ class CheckpointManager:
         if self.context.is_main:
             shutil.rmtree(partial, ignore_errors=True)
         dist.barrier()
-        done = step_folders(self.folder)
-        latest = f"step-{max(done)} is the latest complete one" if done else "no complete checkpoint exists yet"
         raise UserError(
             f"checkpoint step-{step} could not be written to {partial} ({cause}); the disk had "
             f"{format_bytes(free)} free, a checkpoint needs about {format_bytes(checkpoint_bytes(self.model))}; "
-            f"the incomplete checkpoint was removed and {latest}"
+            f"the incomplete checkpoint was removed and {self._latest_complete()}"
         )
+
+    def _latest_complete(self) -> str:
+        done = step_folders(self.folder)
+        return f"step-{max(done)} is the latest complete one" if done else "no complete checkpoint exists yet"
+
+    def save_after_failure(self, data_state: dict[str, Any] | None) -> str:
+        """After an unexpected failure: save the last completed step if the objects hold exactly it; says
+        what was done (a clause of the error line), never raises.
+
+        They do from the loop's counting of a step until the next starts: the LR schedule has taken the
+        counted steps, and the loader has read the next batches past `data_state` (unless it was the last
+        step). A single process only: a save is a collective, and a failed run's other ranks are elsewhere.
+        """
+        if not self.cfg.enable:
+            return "no checkpoint (checkpointing disabled)"
+        step = self.train_state.step
+        try:
+            if step == self._last_saved_step:
+                return f"step-{step} was saved before the failure"
+            if self.context.world_size > 1:
+                return f"no checkpoint saved (a save needs every rank); {self._latest_complete()}"
+            completed = data_state is not None and self.lr_scheduler.last_epoch == step and (
+                self.dataloader.state_dict() != data_state or step == self.context.training_steps)
+            if not completed or step == 0:
+                return f"no checkpoint saved (it failed in the middle of a step); {self._latest_complete()}"
+            self.save(step, data_state)
+            self.close()
+        except Exception as e:
+            return f"no checkpoint saved ({describe_error(e)})"
+        return f"checkpoint of step {step} saved"
 
     def _write_checksums(self, step: int, partial: Path) -> None:
         """checksums.json of every file in `partial`, the files hashed in shares by all ranks."""
@@ -257,6 +290,9 @@ class CheckpointManager:
         """
         ctx = self.context
         path = self._checkpoint_to_resume()
+        if path is not None and ctx.run is not None:
+            # Before anything in the folder is touched: it may be another run's.
+            check_owner(path, self.folder, ctx.run, self.cfg.resume_from_other_run)
         if self.cfg.enable and ctx.is_main:
             for stale in leftovers(self.folder):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -270,10 +306,12 @@ class CheckpointManager:
             self.last_loaded = path
         elif self.cfg.initial_load_path:
             load_initial_weights(self.model, ctx.model_args, self.cfg.initial_load_path, self.cfg.initial_load_format,
-                                 ctx.rank, ctx.world_size)
+                                 ctx.rank, ctx.world_size, ctx.tokenizer)
         if self.cfg.enable and ctx.is_main:
             warn_if_short_of_space(self.folder, checkpoint_bytes(self.model), self.train_state.step,
                                    ctx.training_steps, self.cfg.interval, self.cfg.keep_latest_k)
+            if ctx.run is not None:
+                ctx.run.keep()
         return path is not None
 
     def _checkpoint_to_resume(self) -> Path | None:
@@ -305,4 +343,4 @@ class CheckpointManager:
         """
         if self.cfg.export_final and self.train_state.step >= self.context.training_steps:
             export_final(self.model, self.context.model_args, self.folder / "final", self.cfg.export_dtype,
-                         self.context.rank)
+                         self.context.rank, self.context.tokenizer)

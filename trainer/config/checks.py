@@ -49,6 +49,10 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), key)
         if value < 0:
             raise UserError(f"{section}.{key} must be >= 0, got {value}")
+    # An empty value is most often an unset shell variable; none of these has a meaning when empty.
+    for section, key in (("job", "dump_folder"), ("model", "tokenizer_path"), ("data", "path"), ("checkpoint", "folder")):
+        if not getattr(getattr(cfg, section), key).strip():
+            raise UserError(f"{section}.{key} is empty (an unset shell variable?); give it a value")
     if cfg.validation.enable and not cfg.validation.path:
         raise UserError("validation.enable = true needs validation.path (held-out data in data.path's formats)")
     if cfg.optimizer.lr <= 0:

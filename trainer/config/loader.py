@@ -141,6 +141,10 @@ def parse_cli(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | N
         if name == "config":
             if value is None:
                 raise UserError("--config needs a path")
+            if not value.strip():
+                # An unset shell variable: silently training the default config would be worse.
+                raise UserError(f"--config is empty (an unset shell variable?); give a config file, or leave "
+                                f"--config out for the default {DEFAULT_CONFIG}")
             config_path = value
             continue
         if "." not in name:
@@ -157,7 +161,7 @@ def build_config(argv: list[str] | None = None) -> Config:
     if wants_help:
         print(help_text())
         raise SystemExit(0)
-    config_path = config_path or DEFAULT_CONFIG
+    config_path = DEFAULT_CONFIG if config_path is None else config_path
     raw = load_toml(config_path)
     cfg = Config()
     for section, table in raw.items():

@@ -223,6 +223,11 @@ class CheckpointConfig:
     keep_latest_k: int = _opt(0, "Keep only the newest K checkpoints (0 = keep all).")
     async_mode: AsyncMode = _opt("disabled", "disabled = save in the training thread; async = save in the background.")
     load_step: int = _opt(-1, "Resume from this step (-1 = latest complete checkpoint).")
+    resume_from_other_run: bool = _opt(
+        False,
+        "Resume from checkpoints in the folder that another run wrote (another job.dump_folder's run id); "
+        "without it such a run stops, so a new run never continues or overwrites another's checkpoints.",
+    )
     initial_load_path: str = _opt("", "Weights to start from when no checkpoint exists (see initial_load_format).")
     initial_load_format: InitialLoadFormat = _opt("dcp", "Format of initial_load_path.")
     export_dtype: ExportDtype = _opt("bfloat16", "dtype of the model-only export written at the end (model.safetensors).")

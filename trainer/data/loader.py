@@ -123,7 +123,7 @@ class PretrainDataset(WindowDataset):
         return line
 
     def _no_documents(self) -> UserError:
-        return UserError(f"data {self.source.name} has no documents (no non-empty '{self.text_field}')")
+        return UserError(f"{self.source.what} has no documents (no non-empty '{self.text_field}')")
 
     def validate(self) -> None:
         """Read every row once, before the first step: a bad row stops the run here, or is warned about.
@@ -131,7 +131,7 @@ class PretrainDataset(WindowDataset):
         Each participant of the exchange parses its share of the rows; they swap what they found.
         """
         exchange = self.exchange
-        progress = Progress(f"checking data {self.source.name} ({self.source.size / 1e6:,.1f} MB)", self.verbose)
+        progress = Progress(f"checking {self.source.what} ({self.source.size / 1e6:,.1f} MB)", self.verbose)
         first: tuple[int, str] | None = None
         found, bad, n = False, 0, 0
         for n, (loc, row) in enumerate(self.source.rows(0, lambda i: i % exchange.size == exchange.rank), 1):
@@ -153,7 +153,7 @@ class PretrainDataset(WindowDataset):
             raise self._no_documents()
         bad = sum(r[1] for r in reports)
         if bad and self.verbose:
-            warn(skip_warning(self.source.name, line, bad))
+            warn(skip_warning(self.source.what, line, bad))
         # the stream need not warn again about rows already reported
         self._warned = True
 
@@ -164,21 +164,36 @@ class PretrainDataset(WindowDataset):
         )
         group_tokens = self.batch_size * self.dp_degree * (self.seq_len + 1)
         rows = merged_rows(read_share(reader, self.num_workers), self.exchange, epoch, start, group_tokens)
-        found, whole = False, start == 0
+        tokens, whole = 0, start == 0
         for epoch, doc, entry in rows:
             if isinstance(entry, EpochEnd):
-                if not found and whole:
-                    raise self._no_documents()
-                found, whole = False, True
+                if whole:
+                    self._check_epoch_size(tokens, group_tokens)
+                tokens, whole = 0, True
             elif isinstance(entry, BadDoc):
                 line = self._bad_row(entry.line)
                 if self.verbose and not self._warned:
-                    warn(skip_warning(self.source.name, line))
+                    warn(skip_warning(self.source.what, line))
                 self._warned = True
                 bad += 1
             elif entry is not None:
-                found = True
+                tokens += len(entry)
                 yield epoch, doc, bad, entry
+
+    def _check_epoch_size(self, tokens: int, group_tokens: int) -> None:
+        """A whole epoch of `tokens` tokens: refused when it cannot fill one sequence, warned about when
+        it cannot fill one micro-batch of every rank (each batch then holds it several times)."""
+        if tokens == 0:
+            raise self._no_documents()
+        size = self.seq_len + 1
+        if tokens < size:
+            raise UserError(
+                f"{self.source.what} holds {tokens} tokens, fewer than one sequence of seq_len + 1 = {size}: "
+                "every sequence would repeat it; give more data or lower training.seq_len"
+            )
+        if tokens < group_tokens and self.verbose:
+            warn(f"{self.source.what} holds {tokens} tokens, fewer than one micro-batch of all ranks "
+                 f"({group_tokens} = batch_size x dp x (seq_len + 1)): each batch repeats it", once=True)
 
     def windows(self, state: dict[str, int]) -> Iterator[tuple[list[Piece], dict[str, int]]]:
         # Windows are lists of pieces of documents, so the windows of other ranks cost no copy.
@@ -223,22 +238,10 @@ def _check_loader_args(
 
 
 def build_dataloader(
-    *,
-    kind: str,
-    path: str,
-    tokenizer: Tokenizer,
-    seq_len: int,
-    batch_size: int,
-    dp_rank: int,
-    dp_degree: int,
-    seed: int,
-    text_field: str = "text",
-    data_format: str = "auto",
-    sft_options: SFTOptions | None = None,
-    bad_rows: str = "error",
-    num_workers: int = 0,
-    exchange: Exchange | None = None,
-    verbose: bool = False,
+    *, kind: str, path: str, tokenizer: Tokenizer, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int,
+    seed: int, text_field: str = "text", data_format: str = "auto", sft_options: SFTOptions | None = None,
+    bad_rows: str = "error", num_workers: int = 0, exchange: Exchange | None = None, verbose: bool = False,
+    option: str = "data.path",
 ) -> StatefulDataLoader:
     """Endless loader of this rank's micro-batches (dicts of LongTensors).
 
@@ -260,9 +263,11 @@ def build_dataloader(
     (``world_exchange()`` in a run: every rank of it calls this together), None to read
     alone; ``num_workers`` worker processes tokenize this process's share ahead of use.
     ``verbose``: this process prints progress and warnings (one rank of a run).
+    ``option``: the config key `path` came from (data.path, validation.path), named by data errors.
+    A pretraining corpus shorter than one sequence is refused.
     """
     _check_loader_args(kind, seq_len, batch_size, dp_rank, dp_degree, num_workers, bad_rows)
-    source = DataSource(path, data_format)
+    source = DataSource(path, data_format, option)
     dataset: WindowDataset
     if kind == "pretrain":
         dataset = PretrainDataset(

@@ -28,7 +28,7 @@ from trainer.data.source import BadRow, DataSource, Progress, skip_warning
 from trainer.data.tokenizer import Tokenizer
 from trainer.data.windows import IGNORE_INDEX, WindowDataset
 from trainer.errors import UserError
-from trainer.log import warn
+from trainer.log import info, warn
 
 B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
@@ -139,9 +139,7 @@ def _flatten(
     return ids, trained
 
 
-def load_sft_rows(
-    path: str, options: SFTOptions, data_format: str = "auto"
-) -> list[dict[str, Any]]:
+def load_sft_rows(path: str, options: SFTOptions, data_format: str = "auto") -> list[dict[str, Any]]:
     """All rows of an SFT file, validated (errors name the file and line)."""
     return [entry[0] for entry in _load(DataSource(path, data_format), options) if entry is not None]
 
@@ -151,11 +149,11 @@ def _load(
 ) -> list[tuple[dict[str, Any], Dialog] | None]:
     """(row, dialog) of every row, None in place of a bad row skipped (bad_rows = "skip")."""
     if source.format == "text":
-        raise UserError(f"SFT data must be JSON Lines or parquet, got text: {source.name}")
+        raise UserError(f"SFT {source.what} is text; SFT data must be JSON Lines or parquet")
     out: list[tuple[dict[str, Any], Dialog] | None] = []
     fmt = None
     bad, first = 0, ""
-    progress = Progress(f"reading SFT data {source.name}", verbose)
+    progress = Progress(f"reading SFT {source.what}", verbose)
     for loc, row in source.rows():
         try:
             if isinstance(row, BadRow):
@@ -172,11 +170,11 @@ def _load(
         progress.tick(len(out))
     progress.done(len(out))
     if not out:
-        raise UserError(f"SFT data {source.name} has no rows")
+        raise UserError(f"SFT {source.what} has no rows")
     if bad == len(out):
-        raise UserError(f"all {bad} rows of SFT data {source.name} are bad, the first: {first}")
+        raise UserError(f"all {bad} rows of SFT {source.what} are bad, the first: {first}")
     if bad and verbose:
-        warn(skip_warning(source.name, first, bad))
+        warn(skip_warning(source.what, first, bad))
     return out
 
 
@@ -210,17 +208,8 @@ class SFTDataset(WindowDataset):
     state_keys = ("epoch", "index", "samples", "truncated", "dropped", "bad_rows", "windows")
 
     def __init__(
-        self,
-        source: DataSource,
-        tokenizer: Tokenizer,
-        seq_len: int,
-        batch_size: int,
-        dp_rank: int,
-        dp_degree: int,
-        seed: int,
-        options: SFTOptions,
-        bad_rows: str = "error",
-        verbose: bool = False,
+        self, source: DataSource, tokenizer: Tokenizer, seq_len: int, batch_size: int, dp_rank: int,
+        dp_degree: int, seed: int, options: SFTOptions, bad_rows: str = "error", verbose: bool = False,
     ) -> None:
         super().__init__(batch_size, dp_rank, dp_degree)
         self.tokenizer = tokenizer
@@ -230,6 +219,34 @@ class SFTDataset(WindowDataset):
         self.dialogs = [None if e is None else e[1] for e in _load(source, options, bad_rows, verbose)]
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else tokenizer.eos_id
         self._order: tuple[int, list[int]] = (-1, [])
+        # Said once, when the first batch is read (before the first step).
+        self._fit_report = verbose
+        self.what = source.what
+
+    def _fit(self, turns: list[tuple[list[int], list[int]]]) -> str:
+        """"fits", "truncated" (BOS + the newest seq_len tokens are kept) or "dropped", for a sample's turns."""
+        if sum(len(p) + len(r) for p, r in turns) <= self.seq_len + 1:
+            return "fits"
+        if self.options.truncation == "drop" or len(turns[-1][1]) > self.seq_len:
+            return "dropped"
+        return "truncated"
+
+    def _report_fit(self) -> None:
+        """Count the samples cut or dropped to fit seq_len (a cut prompt can lose the instruction the
+        reply answers); a warning when that is most of them. Tokenizes each sample once more."""
+        self._fit_report = False
+        fits, longest = {"fits": 0, "truncated": 0, "dropped": 0}, 0
+        for turns in (encode_turns(d, self.tokenizer) for d in self.dialogs if d is not None):
+            fits[self._fit(turns)] += 1
+            longest = max(longest, sum(len(p) + len(r) for p, r in turns))
+        total, touched = sum(fits.values()), fits["truncated"] + fits["dropped"]
+        counts = (f"{fits['truncated']} of {total} SFT samples of {self.what} will be cut to their newest "
+                  f"{self.seq_len} tokens and {fits['dropped']} dropped to fit training.seq_len = {self.seq_len} "
+                  f"(data.truncation = '{self.options.truncation}'; the longest has {longest} tokens)")
+        if 2 * touched > total:
+            warn(f"{counts}: most samples lose part of their prompt or all of it; raise training.seq_len")
+        elif touched:
+            info(counts)
 
     def order(self, epoch: int) -> list[int]:
         if self._order[0] != epoch:
@@ -243,21 +260,20 @@ class SFTDataset(WindowDataset):
         """((input_ids, labels), truncated) of ``dialog``; None when it is dropped."""
         turns = encode_turns(dialog, self.tokenizer)
         ids, trained = _flatten(turns, self.options.train_on)
-        truncated = False
-        if len(ids) > self.seq_len + 1:
-            if self.options.truncation == "drop" or len(turns[-1][1]) > self.seq_len:
-                warn(f"dropping SFT samples longer than seq_len {self.seq_len} (counted in stats()['dropped'])",
-                     once=True)
-                return None, False
+        fit = self._fit(turns)
+        if fit == "dropped":
+            return None, False
+        if fit == "truncated":
             # BOS, then the newest seq_len tokens: the final reply survives whole
             ids = ids[:1] + ids[-self.seq_len:]
             trained = trained[:1] + trained[-self.seq_len:]
-            truncated = True
         labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])]
-        return (ids[:-1], labels), truncated
+        return (ids[:-1], labels), fit == "truncated"
 
     def samples(self, state: dict[str, int]) -> Iterator[tuple[Any, dict[str, int]]]:
         """Yield (sample or None, counts including it, position after it), forever."""
+        if self._fit_report:
+            self._report_fit()
         epoch, index = state["epoch"], state["index"]
         counts = {k: state[k] for k in ("samples", "truncated", "dropped", "bad_rows")}
         while True:

@@ -11,12 +11,14 @@ without further messages, and a bad row or a read error reaches all of them in t
 round.
 """
 
+import atexit
 import ctypes
 import functools
 import math
 import os
 import signal
 import sys
+import weakref
 from array import array
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -163,6 +165,20 @@ def _init_worker(trainer_pid: int, worker_id: int) -> None:
         os._exit(0)
 
 
+# The worker pools of this process's share readers, for _kill_workers_at_exit.
+_POOLS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_workers_at_exit() -> None:
+    # Registered after multiprocessing's own exit handler, so it runs first: that one stops
+    # daemonic children with SIGTERM, which the workers ignore, and then joins them forever.
+    for pool in list(_POOLS):
+        for worker in getattr(pool, "_workers", ()):
+            if worker.is_alive():
+                worker.kill()
+
+
 def read_share(reader: ShareReader, num_workers: int) -> Iterator[Block | Failure]:
     """The reader's blocks in order, made by ``num_workers`` worker processes (0: here, when needed)."""
     loader = DataLoader(
@@ -170,7 +186,10 @@ def read_share(reader: ShareReader, num_workers: int) -> Iterator[Block | Failur
         prefetch_factor=PREFETCH_BLOCKS if num_workers else None,
         worker_init_fn=functools.partial(_init_worker, os.getpid()) if num_workers else None,
     )
-    return iter(loader)
+    blocks = iter(loader)
+    if num_workers:
+        _POOLS.add(blocks)
+    return blocks
 
 
 def _events(blocks: Iterator[Block | Failure], size: int) -> Iterator[Any]:

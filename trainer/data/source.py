@@ -5,6 +5,7 @@ whether to stop or skip it and row numbers stay those of the file. Shared by
 pretraining (``trainer.data.loader``) and SFT (``trainer.data.sft``).
 """
 
+import glob
 import json
 import os
 import time
@@ -14,7 +15,7 @@ from typing import Any, NamedTuple
 
 from trainer.config.schema import DataFormat
 from trainer.errors import UserError
-from trainer.log import info
+from trainer.log import info, route_library_warnings
 
 DATA_FORMATS = typing.get_args(DataFormat)
 # A long read says how far it got once it has taken PROGRESS_AFTER_S, then every PROGRESS_EVERY_S.
@@ -62,58 +63,75 @@ class Progress:
             info(f"{self.what}: {rows:,} rows in {time.perf_counter() - self.start:.1f} s")
 
 
-def skip_warning(name: str, first: str, count: int | None = None) -> str:
-    """The one warning of a run that skips bad rows, naming the first (with the count when known)."""
+def skip_warning(what: str, first: str, count: int | None = None) -> str:
+    """The one warning of a run that skips bad rows of `what` (DataSource.what), naming the first
+    (with the count when known)."""
     rows = f"{count} bad row{'s' * (count != 1)}" if count is not None else "bad rows"
-    return (f"skipping {rows} of data {name} (data.bad_rows = 'skip'; counted as data/bad_rows), "
+    return (f"skipping {rows} of {what} (data.bad_rows = 'skip'; counted as data/bad_rows), "
             f"the first: {first}")
 
 
 class DataSource:
-    """A resolved data path: local files of one format, or a Hugging Face hub dataset."""
+    """A resolved data path: local files of one format (a file, a folder or a glob), or a Hugging Face hub dataset.
 
-    def __init__(self, path: str, data_format: str = "auto") -> None:
+    `option` is the config key the path came from (data.path, validation.path): errors about the
+    path name it, and so do the lines of bad rows of any data but data.path's.
+    """
+
+    def __init__(self, path: str, data_format: str = "auto", option: str = "data.path") -> None:
         if data_format not in DATA_FORMATS:
             raise UserError(
                 f"unknown data format '{data_format}' (expected one of: {', '.join(DATA_FORMATS)})"
             )
         self.name = path
+        self.option = option
         path = os.path.expanduser(path)
-        if os.path.isdir(path):
-            files = sorted(
-                os.path.join(path, f) for f in os.listdir(path)
-                if not f.startswith(".") and os.path.splitext(f)[1] in _EXTENSIONS
-            )
-            if data_format != "auto":
-                files = [f for f in files if _EXTENSIONS[os.path.splitext(f)[1]] == data_format]
-            if not files:
-                wanted = ", ".join(e for e, f in _EXTENSIONS.items() if data_format in ("auto", f))
-                raise UserError(f"data folder {path} has no data files ({wanted})")
-            formats = {_EXTENSIONS[os.path.splitext(f)[1]] for f in files}
-            if len(formats) > 1:
-                raise UserError(
-                    f"data folder {path} mixes formats ({', '.join(sorted(formats))}); "
-                    "set the data format or split the folder"
-                )
-            self.format = formats.pop()
-            self.files = files
+        if os.path.isdir(path) or glob.has_magic(path):
+            self.files, self.format = self._files_of(path, data_format)
         elif os.path.isfile(path):
             ext = os.path.splitext(path)[1]
             if data_format == "auto" and ext not in _EXTENSIONS:
                 raise UserError(
-                    f"cannot tell the format of {path} from its extension; set the data format "
+                    f"{option} {path}: cannot tell the format from its extension; set data.format "
                     f"to one of: {', '.join(DATA_FORMATS[1:])}"
                 )
             self.format = _EXTENSIONS[ext] if data_format == "auto" else data_format
             self.files = [path]
         elif _looks_local(path):
-            raise UserError(f"data path not found: {path}")
+            raise UserError(f"{option} not found: {path}")
         else:
             self.format = "hub"
             self.files = []
         self.size = sum(os.path.getsize(f) for f in self.files)
         if self.files and self.size == 0:
-            raise UserError(f"data path {path} is empty")
+            raise UserError(f"{option} {path} is empty")
+
+    def _files_of(self, path: str, data_format: str) -> tuple[list[str], str]:
+        """The data files of a folder or a glob, in name order, and their one format."""
+        what = "folder" if os.path.isdir(path) else "glob"
+        if what == "folder":
+            names = [os.path.join(path, f) for f in os.listdir(path) if not f.startswith(".")]
+        else:
+            names = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+        files = sorted(f for f in names if os.path.splitext(f)[1] in _EXTENSIONS)
+        if data_format != "auto":
+            files = [f for f in files if _EXTENSIONS[os.path.splitext(f)[1]] == data_format]
+        if not files:
+            wanted = ", ".join(e for e, f in _EXTENSIONS.items() if data_format in ("auto", f))
+            found = "has no data files" if what == "folder" else "matches no data files"
+            raise UserError(f"{self.option} {what} {path} {found} ({wanted})")
+        formats = {_EXTENSIONS[os.path.splitext(f)[1]] for f in files}
+        if len(formats) > 1:
+            raise UserError(
+                f"{self.option} {what} {path} mixes formats ({', '.join(sorted(formats))}); "
+                "set data.format or narrow it to one"
+            )
+        return files, formats.pop()
+
+    @property
+    def what(self) -> str:
+        """How messages name this data: 'data <path>' for the training data, '<option> <path>' for other data."""
+        return f"data {self.name}" if self.option == "data.path" else f"{self.option} {self.name}"
 
     def rows(
         self, start: int = 0, wanted: Callable[[int], bool] | None = None
@@ -126,7 +144,10 @@ class DataSource:
         but pays for parsing only its own.
         """
         if self.format == "jsonl":
-            yield from _jsonl_rows(self.files, start, wanted)
+            try:
+                yield from _jsonl_rows(self.files, start, wanted)
+            except UserError as e:  # a broken .json array: no rows to skip
+                raise UserError(self._row_prefix() + str(e)) from None
         elif self.format == "text":
             yield from _text_rows(self.files, start, wanted)
         else:
@@ -136,6 +157,8 @@ class DataSource:
         self, start: int, wanted: Callable[[int], bool] | None
     ) -> Iterator[tuple[Location, Row | None]]:
         import datasets  # slow to import; only parquet and hub data need it
+
+        route_library_warnings()  # datasets logs through a handler of its own
 
         try:
             if self.format == "hub":
@@ -149,10 +172,15 @@ class DataSource:
             for i, row in enumerate(ds, start):
                 yield (self.name, "row", i), row if wanted is None or wanted(i) else None
         except Exception as e:
-            raise UserError(f"could not read data {self.name}: {_first_line(e)}") from None
+            raise UserError(f"could not read {self.what}: {_first_line(e)}") from None
+
+    def _row_prefix(self) -> str:
+        return "" if self.option == "data.path" else f"{self.option} "
 
     def locate(self, loc: Location) -> str:
-        """Name the file and row of a row numbered across several parquet files."""
+        """Name the file and row of a row (numbered across several parquet files), after the option
+        unless it is data.path: a bad held-out row is not taken for a training one."""
+        prefix = self._row_prefix()
         _, unit, i = loc
         if self.format == "parquet" and unit == "row":
             import pyarrow.parquet as pq
@@ -160,9 +188,9 @@ class DataSource:
             for f in self.files:
                 n = pq.ParquetFile(f).metadata.num_rows
                 if i < n:
-                    return f"{f} row {i}"
+                    return f"{prefix}{f} row {i}"
                 i -= n
-        return where(loc)
+        return prefix + where(loc)
 
 
 def _looks_local(path: str) -> bool:

@@ -4,7 +4,9 @@ Works unchanged with the real LLaMA-2 ``tokenizer.model`` and with the small
 ``data/tokenizer.model`` that ``scripts/train_tokenizer.py`` ships.
 """
 
+import hashlib
 import os
+from typing import Any
 
 from sentencepiece import SentencePieceProcessor
 
@@ -37,6 +39,15 @@ class Tokenizer:
         self.pad_id: int = self.sp_model.pad_id()
         if self.bos_id < 0 or self.eos_id < 0:
             raise UserError(f"tokenizer file {path} has no BOS/EOS pieces (not LLaMA-style)")
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records of its tokenizer: the piece count and a digest of the model file.
+
+        Two tokenizers with these equal map text to the same ids; the path is only for messages.
+        """
+        with open(self.path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        return {"vocab_size": self.n_words, "sha256": digest, "path": self.path}
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         ids: list[int] = self.sp_model.encode(text)

@@ -94,6 +94,29 @@ def _strict_json(record: dict[str, Any]) -> dict[str, Any]:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
+class JsonlAppender:
+    """A JSON Lines file that only ever holds whole lines: a line is appended by one write of it all,
+    and a write that fails (a full disk) is cut back to the previous line before the error goes on."""
+
+    def __init__(self, path: Path, fresh: bool) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0), 0o644)
+        self._size = os.fstat(self._fd).st_size
+
+    def append(self, line: str) -> None:
+        data = (line + "\n").encode()
+        try:
+            written = 0
+            while written < len(data):  # a write may take only part of the line
+                written += os.write(self._fd, data[written:])
+        except OSError:
+            os.ftruncate(self._fd, self._size)
+            raise
+        self._size += len(data)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class MetricsLogger:
     """Writes one record per logged step to the console, metrics.jsonl and TensorBoard (rank 0 only).
 
@@ -112,11 +135,9 @@ class MetricsLogger:
         folder = Path(dump_folder)
         folder.mkdir(parents=True, exist_ok=True)
         jsonl = folder / "metrics.jsonl"
-        if resume_step is None:
-            self._jsonl = jsonl.open("w")
-        else:
+        if resume_step is not None:
             _keep_rows_up_to(jsonl, resume_step)
-            self._jsonl = jsonl.open("a")
+        self._jsonl = JsonlAppender(jsonl, fresh=resume_step is None)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -135,8 +156,7 @@ class MetricsLogger:
         if not self.is_main:
             return
         assert self._jsonl is not None
-        self._jsonl.write(json.dumps(_strict_json(record), allow_nan=False) + "\n")
-        self._jsonl.flush()
+        self._jsonl.append(json.dumps(_strict_json(record), allow_nan=False))
         step = record["step"]
         if self._tb is not None:
             for key, value in record.items():
@@ -155,8 +175,10 @@ class MetricsLogger:
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
+            self._jsonl = None
         if self._tb is not None:
-            self._tb.close()
+            tb, self._tb = self._tb, None
+            tb.close()
 
 
 _TB_GROUPS = {
