@@ -39,7 +39,12 @@ def main() -> None:
     logits = {}
     for attention in ("sdpa", "flex"):
         args = dataclasses.replace(model_args_for(cfg, None, "cpu"), attention=attention)
-        model = parallelize_llama(build_meta_model(args), mesh, cfg, PLAIN_TP_STYLES)
+        model = parallelize_llama(
+            build_meta_model(args), mesh, tp_styles=PLAIN_TP_STYLES, vocab_sharded_logits=cfg.parallelism.loss_parallel,
+            activation_checkpoint=cfg.activation_checkpoint, compile_config=cfg.compile,
+            param_dtype=torch.float32, reduce_dtype=torch.float32,
+            reshard_after_forward=cfg.parallelism.reshard_after_forward,
+        )
         init_weights(model, args, cfg.training.seed, info.device)
         with torch.no_grad():
             out = model(tokens, position_ids, document_ids)
