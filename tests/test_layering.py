@@ -25,7 +25,8 @@ RANKS = {
     "trainer.loss": 6, "trainer.checkpoint": 6, "trainer.float8_training": 6,
     "trainer.validation": 7, "trainer.run_folder": 7, "trainer.step": 7,
     "trainer.trainer": 8, "trainer.dry_run": 8,
-    "train": 9, "scripts": 9,
+    "trainer.crash": 9,
+    "train": 10, "scripts": 10,
 }
 PROJECT = ("float8", "models", "trainer", "scripts", "train")
 MAX_FILE_LINES = 350
