@@ -100,10 +100,13 @@ def refuse_unrunnable(f8: Float8TrainingConfig, device: torch.device) -> None:
             f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Set float8.emulate = true to test, "
             "or float8.enabled = false"
         )
-    if device.type == "cpu" and not f8.emulate and not scaled_mm_supported(RECIPES[f8.scaling].rowwise_gemms, "cpu"):
+    rowwise = RECIPES[f8.scaling].rowwise_gemms
+    if device.type == "cpu" and not f8.emulate and not scaled_mm_supported(rowwise, "cpu"):
+        since = " (torch >= 2.13 does)" if rowwise else ""
         raise UserError(
-            f"float8.scaling = '{f8.scaling}' needs row-wise scaled float8 GEMMs, which torch "
-            f"{torch.__version__} does not run on CPU (torch >= 2.13 does); set float8.emulate = true to test here"
+            f"float8.scaling = '{f8.scaling}' needs {'row-wise' if rowwise else 'per-tensor'} scaled float8 "
+            f"GEMMs, which torch {torch.__version__} does not run on this CPU{since}; set float8.emulate = true "
+            "to test here"
         )
 
 
