@@ -144,7 +144,7 @@ def estimate_for(
         args, batch_size=t.batch_size, seq_len=t.seq_len, ac_mode=cfg.activation_checkpoint.mode,
         float8=cfg.float8.enabled, param_bytes=param_bytes, dp=dp, tp=tp,
         packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type, attention_kernel=args.attention,
-        loss_parallel=vocab_sharded_logits or tp == 1,
+        loss_parallel=vocab_sharded_logits,
     )
 
 
