@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,81 +9,16 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from float8.config import Float8Config
 from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight, plain_weight
+from float8.gemm import scaled_mm
+from float8.health import cast_stats, float8_bytes_stats, no_stats
 from float8.recipe import Cast, Float8Recipe, Gemm
 from float8.scaling import (
-    E4M3,
     cast_colwise_t,
     cast_rowwise,
     cast_tensorwise,
     cast_tensorwise_t,
     casts_compiled_in_eager,
 )
-
-
-def _scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    rowwise: bool,
-    emulate: bool,
-    fast_accum: bool = False,
-) -> torch.Tensor:
-    """a @ b for float8 `a` (row-major) and `b` (column-major), undoing their scales.
-
-    Scales are the multipliers the casts applied; `_scaled_mm` wants their inverses.
-    """
-    a_inv, b_inv = a_scale.reciprocal(), b_scale.reciprocal()
-    # cuBLAS rowwise-scaled float8 GEMMs only write bf16.
-    gemm_dtype = torch.bfloat16 if rowwise else out_dtype
-    if emulate:
-        out = torch.mm(a.to(torch.float32), b.to(torch.float32)) * a_inv * b_inv
-    elif a.device.type == "cpu":
-        out = _scaled_mm_cpu(a, b, a_inv, b_inv, gemm_dtype)
-    else:
-        out = torch._scaled_mm(
-            a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=gemm_dtype, use_fast_accum=fast_accum
-        )
-    return out.to(gemm_dtype).to(out_dtype)
-
-
-def _scaled_mm_cpu(
-    a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """torch._scaled_mm as ATen's own CPU kernel computes it: the float8 operands upcast to
-    fp32 (exact) and scaled, one fp32 GEMM, the result cast to `out_dtype`.
-
-    Called directly because on CPUs with AMX torch sends `_scaled_mm` to oneDNN, whose float8
-    matmul there is its reference kernel: about 2,000x slower (a 256^3 GEMM takes 1-2 s) and
-    summed in another order (tensorwise results within ~1e-5 relative; row-wise bitwise
-    equal). This keeps CPU float8 the same on every CPU. Whether torch takes a recipe on CPU
-    at all is still `scaled_mm_supported`'s probe of torch._scaled_mm itself.
-    """
-    return torch.mm(a.to(torch.float32) * a_inv, b.to(torch.float32) * b_inv).to(out_dtype)
-
-
-@functools.cache
-def scaled_mm_supported(rowwise: bool, device_type: str) -> bool:
-    """Whether torch._scaled_mm runs this scaling granularity on this device type.
-
-    CUDA float8 GEMMs (compute capability >= 8.9) take both. On CPU, torch 2.11 only
-    takes per-tensor scales and 2.13 takes both: probed with a 16 x 16 GEMM, since the
-    version alone does not say which build has which kernel.
-    """
-    if device_type == "cuda":
-        return True
-    rows = 16 if rowwise else 1
-    a = torch.zeros(16, 16, device=device_type).to(E4M3)
-    try:
-        torch._scaled_mm(
-            a, a.t(), scale_a=torch.ones(rows, 1, device=device_type),
-            scale_b=torch.ones(1, rows, device=device_type), out_dtype=torch.bfloat16,
-        )
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
 
 # A GEMM operand: (data, scale) with the summed dim last and row-major; the scale is None
 # for a high-precision operand, 0-dim for one per tensor, (rows, 1) for one per row.
@@ -147,7 +80,7 @@ def _gemm(gemm: Gemm, a: Operand, b: Operand, out_dtype: torch.dtype, emulate: b
         # Row-wise kernels take per-row scales on both operands: repeat a per-tensor one.
         a_scale = a_scale.expand(a_data.shape[0], 1) if a_scale.ndim == 0 else a_scale
         b_scale = b_scale.expand(b_data.shape[0], 1) if b_scale.ndim == 0 else b_scale
-    return _scaled_mm(a_data, b_data.t(), a_scale, b_scale.t(), out_dtype, gemm.rowwise, emulate, gemm.fast_accum)
+    return scaled_mm(a_data, b_data.t(), a_scale, b_scale.t(), out_dtype, gemm.rowwise, emulate, gemm.fast_accum)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -170,7 +103,8 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, w: torch.Tensor, recipe: Float8Recipe, emulate: bool, eager_casts: str
+        ctx, x: torch.Tensor, w: torch.Tensor, recipe: Float8Recipe, emulate: bool, eager_casts: str,
+        health_probe: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.recipe, ctx.emulate = recipe, emulate
         ctx.fused = fused = casts_compiled_in_eager(x.device.type, eager_casts) and not torch.compiler.is_compiling()
@@ -196,7 +130,12 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             x_gw = _cast_t(x, x_cast, fused)
         ctx.w_shared = _shared(recipe.grad_input.rhs, recipe.output.rhs)
-        ctx.save_for_backward(*x_gw, w_op[0] if ctx.gathered else w, w_op[1] if ctx.w_shared else None)
+        # Armed for float8 health (float8/health.py): the forward casts' stats wait for backward,
+        # which hands them out with the gradient cast's as the probe's gradient.
+        ctx.probed = health_probe is not None
+        health = (torch.stack([_stats(x, x_op, recipe.output.lhs), _stats(w, w_op, recipe.output.rhs)]),) \
+            if ctx.probed else ()
+        ctx.save_for_backward(*x_gw, w_op[0] if ctx.gathered else w, w_op[1] if ctx.w_shared else None, *health)
         return out.reshape(*x_shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -205,7 +144,7 @@ class _Float8Matmul(torch.autograd.Function):
         # as all False inside compiled regions (zero gradients), and autograd drops a
         # gradient nobody asked for anyway.
         recipe, fused, emulate = ctx.recipe, ctx.fused, ctx.emulate
-        x_gw_data, x_gw_scale, w, w_scale = ctx.saved_tensors
+        x_gw_data, x_gw_scale, w, w_scale, *health = ctx.saved_tensors
         g = g.reshape(-1, g.shape[-1]).contiguous()
         g_op = _cast(g, recipe.grad_input.lhs, fused)
         w_cast = recipe.grad_input.rhs
@@ -224,10 +163,23 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.x_transposed_later:
             x_gw = _transposed(x_gw)
         grad_w = _gemm(recipe.grad_weight, *_pad_summed_dim(g_gw, x_gw), ctx.w_dtype, emulate)
-        return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
+        probe_grad = torch.cat([health[0], _stats(g, g_op, recipe.grad_input.lhs)[None]]) if ctx.probed else None
+        return grad_x.reshape(ctx.x_shape), grad_w, None, None, None, probe_grad
 
 
-def float8_mm(x: torch.Tensor, w: torch.Tensor, config: Float8Config) -> torch.Tensor:
+def _stats(hp: torch.Tensor, operand: Operand, cast: Cast) -> torch.Tensor:
+    """float8/health.py's stats of one operand's cast, from its high-precision values when there are any."""
+    data, scale = operand
+    if scale is None:
+        return no_stats(data.device)
+    if isinstance(hp, Float8GatheredWeight):
+        return float8_bytes_stats(data, scale)
+    return cast_stats(hp, data, scale)
+
+
+def float8_mm(
+    x: torch.Tensor, w: torch.Tensor, config: Float8Config, health_probe: torch.Tensor | None = None
+) -> torch.Tensor:
     """x (..., K) @ w.T for local (non-DTensor) tensors, in float8; output dtype = x dtype.
 
     Under autocast, x is cast to the autocast dtype and w goes straight from its
@@ -238,7 +190,7 @@ def float8_mm(x: torch.Tensor, w: torch.Tensor, config: Float8Config) -> torch.T
         x = x.to(torch.get_autocast_dtype(device_type))
     # No autocast context and no reshapes around apply(): under torch 2.11's dynamo
     # either made the compiled backward return zero gradients.
-    return _Float8Matmul.apply(x, w, config.recipe, config.emulate, config.compile_casts_in_eager)
+    return _Float8Matmul.apply(x, w, config.recipe, config.emulate, config.compile_casts_in_eager, health_probe)
 
 
 def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
@@ -265,6 +217,8 @@ class Float8Linear(nn.Linear):
     def __init__(self, *args, config: Float8Config | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.config = config or Float8Config()
+        # Set by float8.health.Float8HealthMonitor on the steps it reads the casts' stats.
+        self.health_probe: torch.Tensor | None = None
 
     @classmethod
     def from_float(cls, linear: nn.Linear, config: Float8Config | None = None) -> Float8Linear:
@@ -285,7 +239,7 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, DTensor) or isinstance(x, DTensor):
             return self._forward_dtensor(x)
-        out = float8_mm(x, self.weight, self.config)
+        out = float8_mm(x, self.weight, self.config, self.health_probe)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
@@ -301,7 +255,7 @@ class Float8Linear(nn.Linear):
         if _norm_dim(wp, 2) == 0 and not isinstance(x, DTensor):
             # This rank's copy of a replicated input (a float8 TP gather): its gradient
             # leaves as this rank's partial sum, which the caller reduces.
-            return self._finish_dtensor(float8_mm(x, w.to_local(), self.config), mesh, Shard(ndim - 1), None)
+            return self._finish_dtensor(float8_mm(x, w.to_local(), self.config, self.health_probe), mesh, Shard(ndim - 1), None)
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
         xp = x.placements[0]
@@ -327,7 +281,7 @@ class Float8Linear(nn.Linear):
             raise NotImplementedError(f"Float8Linear: weight placement {wp}")
         # A replicated weight (or bias) used with a sharded input gets partial-sum grads.
         grad_p = (Partial(),) if wp.is_replicate() and not xp.is_replicate() else None
-        out = float8_mm(x_local, w.to_local(grad_placements=grad_p), self.config)
+        out = float8_mm(x_local, w.to_local(grad_placements=grad_p), self.config, self.health_probe)
         return self._finish_dtensor(out, mesh, out_p, grad_p)
 
     def _finish_dtensor(self, out: torch.Tensor, mesh, out_p, grad_p) -> DTensor:

@@ -41,6 +41,6 @@ def read_metrics(dump_folder: Path) -> list[dict]:
 
 def cpu_float8_emulated(scaling: str) -> bool:
     """True where this torch cannot run the recipe's float8 GEMMs on CPU (rowwise before 2.13)."""
-    from float8.linear import scaled_mm_supported
+    from float8.gemm import scaled_mm_supported
 
     return not scaled_mm_supported(scaling != "tensorwise", "cpu")

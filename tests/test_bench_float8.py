@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from float8.linear import scaled_mm_supported
+from float8.gemm import scaled_mm_supported
 from models.llama import LLAMA2_FLAVORS
 from models.llama.model import precompute_rope
 from scripts import bench_float8 as bench

@@ -294,7 +294,7 @@ def test_compiled_matches_eager_fullgraph(scaling):
     out_c, gx_c, _ = run(compiled, x, g)
     if cpu_float8_emulated(scaling) or scaling != "tensorwise":
         # Row-wise GEMMs on CPU (emulated on torch 2.11, ATen's fp32 formula on 2.13: see
-        # float8/linear.py `_scaled_mm_cpu`) scale fp32 operands that inductor fuses with the
+        # float8/gemm.py `scaled_mm_cpu`) scale fp32 operands that inductor fuses with the
         # per-row casts differently, so compiled and eager differ by float8 noise, not more.
         assert sqnr(out_e, out_c) >= 30 and sqnr(gx_e, gx_c) >= 30
     else:

@@ -36,7 +36,7 @@ def _gemm(a, b, a_scale, b_scale, out_dtype, rowwise, emulate, fast_accum=False)
     if emulate:
         out = torch.mm(a.to(torch.float32), b.to(torch.float32)) * a_inv * b_inv
     elif a.device.type == "cpu":
-        # What ATen's CPU kernel computes (float8/linear.py calls it directly; its agreement
+        # What ATen's CPU kernel computes (float8/gemm.py calls it directly; its agreement
         # with torch._scaled_mm is test_cpu_gemm_is_torchs_scaled_mm).
         out = torch.mm(a.to(torch.float32) * a_inv, b.to(torch.float32) * b_inv).to(gemm_dtype)
     else:
@@ -183,11 +183,11 @@ def test_what_each_recipe_allows():
 @pytest.mark.parametrize("rowwise", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_cpu_gemm_is_torchs_scaled_mm(rowwise, out_dtype):
-    """The CPU float8 GEMM float8/linear.py calls is torch._scaled_mm's value: bitwise where torch
+    """The CPU float8 GEMM float8/gemm.py calls is torch._scaled_mm's value: bitwise where torch
     runs ATen's CPU kernel, within fp32 summation order where it sends the GEMM to oneDNN (AMX)."""
     if rowwise and cpu_float8_emulated("rowwise"):
         pytest.skip(f"torch {torch.__version__} has no CPU float8 GEMM with row-wise scales")
-    from float8.linear import _scaled_mm_cpu
+    from float8.gemm import scaled_mm_cpu
 
     torch.manual_seed(0)
     m, k, n = 48, 160, 80
@@ -196,7 +196,7 @@ def test_cpu_gemm_is_torchs_scaled_mm(rowwise, out_dtype):
     a_inv = torch.rand(m, 1) + 0.3 if rowwise else torch.tensor(0.37)
     b_inv = torch.rand(1, n) + 0.3 if rowwise else torch.tensor(1.9)
     torchs = torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
-    ours = _scaled_mm_cpu(a, b, a_inv, b_inv, out_dtype)
+    ours = scaled_mm_cpu(a, b, a_inv, b_inv, out_dtype)
     assert ours.dtype == out_dtype and ours.shape == (m, n)
     # Summation order only: within a few fp32 ulps of the largest output (or one bf16 rounding).
     scale = torchs.float().abs().max().item()

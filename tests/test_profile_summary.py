@@ -125,7 +125,7 @@ def test_a_real_cpu_trace_is_summarised_by_op(tmp_path):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         model(torch.randn(16, 64)).float().pow(2).mean().backward()
         opt.step()
-        # The CPU float8 linear computes its GEMMs without torch._scaled_mm (float8/linear.py),
+        # The CPU float8 linear computes its GEMMs without torch._scaled_mm (float8/gemm.py),
         # so the trace gets two of torch's own, as a GPU step has them.
         a = torch.randn(16, 64).to(torch.float8_e4m3fn)
         for _ in range(2):

@@ -23,7 +23,8 @@ from float8 import (
     precompute_float8_scales_for_fsdp,
     raise_dynamo_recompile_limit,
 )
-from float8.linear import scaled_mm_supported
+from float8.gemm import scaled_mm_supported
+from float8.health import Float8HealthMonitor, HealthReport
 from float8.recipe import RECIPES
 from float8.scaling import casts_compiled_in_eager
 from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -50,6 +51,8 @@ class Float8RunContext:
     float8_tensor_parallel: bool
     # batch_size x seq_len of one micro-batch of one DP rank (its TP group shares it).
     micro_batch_tokens: int
+    # metrics.float8_stats_freq: float8 health every N steps, 0 = never.
+    health_freq: int = 0
 
     @staticmethod
     def for_run(cfg: Config, device_type: str, param_dtype: str) -> Float8RunContext:
@@ -57,6 +60,7 @@ class Float8RunContext:
             device_type=device_type, compile_mode=cfg.compile.mode, param_dtype=param_dtype,
             float8_tensor_parallel=cfg.parallelism.float8_tensor_parallel,
             micro_batch_tokens=cfg.training.batch_size * cfg.training.seq_len,
+            health_freq=cfg.metrics.float8_stats_freq,
         )
 
 
@@ -182,6 +186,8 @@ class Float8Training:
         self.recipe_name: str | None = config.scaling
         self.report: Float8ConversionReport | None = None
         self._notes: list[str] = []
+        self._health: Float8HealthMonitor | None = None
+        self._health_armed = False
 
     @staticmethod
     def from_config(f8: Float8TrainingConfig, run: Float8RunContext) -> Float8Training | NoFloat8Training:
@@ -221,6 +227,22 @@ class Float8Training:
         if self.config.fsdp_float8_all_gather:
             precompute_float8_scales_for_fsdp(model)
 
+    def arm_health(self, model: nn.Module, step: int, device: torch.device) -> None:
+        """Before a step's forward: on every `metrics.float8_stats_freq`-th step, have the float8
+        linears report what their casts do (float8/health.py)."""
+        if self.run.health_freq and step % self.run.health_freq == 0:
+            if self._health is None:
+                self._health = Float8HealthMonitor(model, device)
+            self._health.arm()
+            self._health_armed = True
+
+    def read_health(self) -> HealthReport:
+        """After the armed step: its float8 health over every rank (all ranks call this); empty otherwise."""
+        if not self._health_armed:
+            return HealthReport({}, [])
+        self._health_armed = False
+        return self._health.collect()
+
     def advice(self, device: torch.device, dp_degree: int, tp_degree: int) -> list[str]:
         """The advisor's warnings for this run; raises UserError for settings that cannot run."""
         notes = advise(self.f8, self.run, device, self.report, dp_degree, tp_degree)
@@ -254,6 +276,12 @@ class NoFloat8Training:
 
     def post_optimizer_step(self, model: nn.Module) -> None:
         return None
+
+    def arm_health(self, model: nn.Module, step: int, device: torch.device) -> None:
+        return None
+
+    def read_health(self) -> HealthReport:
+        return HealthReport({}, [])
 
     def advice(self, device: torch.device, dp_degree: int, tp_degree: int) -> list[str]:
         return []

@@ -110,6 +110,8 @@ class StepOutcome:
     next_batches: list[dict[str, torch.Tensor]] | None = None
     next_state: dict[str, Any] | None = None
     data_error: UserError | None = None
+    # metrics.float8_stats_freq's float8/ metrics, on the steps that read them.
+    float8_health: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def skip_or_stop(outcome: StepOutcome, in_a_row: int, limit: int, is_main: bool) -> None:

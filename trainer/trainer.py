@@ -274,6 +274,7 @@ class Trainer:
         outcome = StepOutcome(step=step)
         with profiler.step(step):
             outcome.t_start = time.perf_counter()
+            self.float8.arm_health(self.model, step, self.device)
             t_launch = self.timer.mark()
             outcome.loss, outcome.grad_norm, outcome.applied, t_backward = train_step(
                 self._loss_sum, micro_batches, self.parts, self.timer
@@ -290,6 +291,10 @@ class Trainer:
             outcome.data_time = time.perf_counter() - t_data
         outcome.t_end = time.perf_counter()
         outcome.marks = (t_launch, t_backward, t_done)
+        health = self.float8.read_health()
+        outcome.float8_health = health.metrics
+        for message in health.warnings if self.is_main else ():
+            warn(message)
         return outcome
 
     def _count(self, outcome: StepOutcome, run: LoopProgress) -> None:
@@ -309,7 +314,8 @@ class Trainer:
         if not outcome.applied:
             return
         validation = self.validator.evaluate(self.model, step) if self.validator and self.validator.due(step) else {}
-        if not (step == 1 or step % self.cfg.metrics.log_freq == 0 or step == steps or validation):
+        if not (step == 1 or step % self.cfg.metrics.log_freq == 0 or step == steps or validation
+                or outcome.float8_health):
             return
         step_time = outcome.t_end - outcome.t_start
         tps = self.facts.tokens_per_gpu / step_time
@@ -323,7 +329,7 @@ class Trainer:
             "fwd_bwd_time_s": self.timer.seconds(t_launch, t_backward),
             "optim_time_s": self.timer.seconds(t_backward, t_done),
             **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
-            "skipped_steps": run.skipped_total, **self._data_stats(), **validation,
+            "skipped_steps": run.skipped_total, **self._data_stats(), **validation, **outcome.float8_health,
         }
         eta = (time.perf_counter() - run.start_time) / (step - run.first_step + 1) * (steps - step)
         logger.log(record, steps, eta)

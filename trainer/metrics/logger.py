@@ -217,6 +217,14 @@ def _dashboard_layout() -> dict[str, dict[str, list[Any]]]:
             "response-token accuracy (SFT)": chart(r"validation/accuracy"),
         },
         "time": {"seconds per step": chart(r"time/.*")},
+        # metrics.float8_stats_freq: the worst float8 linear per quantity (float8/<layer>/... per layer).
+        "float8 health (worst layer)": {
+            "underflow (share of non-zero values cast to 0)": chart(r"float8/worst/.*/underflow"),
+            "saturation (share at the float8 maximum)": chart(r"float8/worst/.*/saturation"),
+            "amax": chart(r"float8/worst/.*/amax"),
+            "amax growth since the first health step": chart(r"float8/worst/.*/amax_growth"),
+            "smallest scale": chart(r"float8/worst/.*/scale"),
+        },
     }
 
 
