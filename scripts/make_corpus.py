@@ -11,6 +11,11 @@ varied enough (a few hundred words) to be a useful tokenizer corpus.
 
 An --out that holds <name>-*.jsonl shards is refused unless --force, which replaces all of
 them: a stale shard left beside the new ones would be trained on.
+
+A code corpus the model cannot memorize, from files on this machine (one document per file,
+whole files held out by a hash of their path below the glob's root; see scripts/file_corpus.py):
+
+    python scripts/make_corpus.py --from-files "$(python -c 'import sysconfig;print(sysconfig.get_paths()["stdlib"])')/**/*.py" --out data/code --heldout-out data/code_heldout
 """
 
 import argparse
@@ -24,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scripts import file_corpus  # noqa: E402
 from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
 
 NAMES = [
@@ -246,13 +252,18 @@ def make_docs(n_docs: int, seed: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="data/corpus", help="output folder")
-    p.add_argument("--docs", type=int, default=3000, help="number of documents")
+    p.add_argument("--docs", type=int, help="number of documents (default 3000; synthetic corpus only)")
     p.add_argument("--shards", type=int, default=2, help="number of JSONL files")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="train", help="file name prefix: <name>-00000.jsonl, ...")
     p.add_argument("--force", action="store_true", help="replace the <name>-*.jsonl shards already in --out")
+    file_corpus.add_arguments(p)
     try:
         args = p.parse_args(argv)
+        file_corpus.check_mode(args, ["--docs"] if args.docs is not None else [])
+        if args.from_files:
+            file_corpus.write(*file_corpus.build(args))
+            return 0
         out = Path(args.out)
         earlier = sorted(out.glob(f"{args.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))
         if not args.force:
@@ -261,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    docs = make_docs(args.docs, args.seed)
+    docs = make_docs(3000 if args.docs is None else args.docs, args.seed)
     out.mkdir(parents=True, exist_ok=True)
     for path in earlier:
         path.unlink()
