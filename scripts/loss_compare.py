@@ -1,0 +1,288 @@
+"""Is float8 hurting my loss? bf16 and float8 recipes trained side by side, same config, seed and data.
+
+    python scripts/loss_compare.py --config configs/7b_fp8.toml --nproc 8 --out loss/
+    python scripts/loss_compare.py --config configs/debug.toml --steps 200 --compile none --out /tmp/loss \\
+        -- --training.batch_size 2 --training.seq_len 64 --validation.freq 50
+    # a session of limited length: one invocation per recipe, then merged (no runs)
+    python scripts/loss_compare.py --config configs/7b_fp8.toml --nproc 8 --precisions bf16 --out loss/bf16
+    python scripts/loss_compare.py --config configs/7b_fp8.toml --nproc 8 --precisions tensorwise --out loss/tw
+    python scripts/loss_compare.py --merge loss/bf16/loss_compare.json loss/tw/loss_compare.json --out loss/
+
+One train.py run per precision (one compile mode, log_freq 1); arguments after `--` go to every
+run. Writes, under --out:
+
+    loss_compare.md     per recipe: final training loss and its gap to bf16, the worst gap of the
+                        moving averages, held-out losses and tokens/s; a verdict per float8 recipe
+    loss_compare.json   the same, with every run's loss series, commands, failures and versions
+    loss_compare.png    smoothed loss curves and the gap to bf16 with the ±tolerance band (matplotlib)
+    tb/<run>/           each run's TensorBoard events, side by side
+    runs/<run>/         each run's dump folder and log.txt (stdout + stderr)
+
+An earlier comparison's files there move to --out/previous-N/ first.
+--merge rebuilds the md, json and png from the loss_compare.json of several invocations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.cells import (  # noqa: E402
+    BASELINE,
+    COMPILE_MODES,
+    PRECISIONS,
+    ArgParser,
+    BadArgs,
+    cell_overrides,
+    comma_names,
+    environment,
+    keep_earlier_results,
+    option_names,
+    read_metrics,
+)
+from scripts.compare_run import CellResult, run_cell  # noqa: E402
+from scripts.loss_chart import write_chart  # noqa: E402
+from scripts.loss_report import (  # noqa: E402
+    DEFAULT_TOLERANCE_PCT,
+    PartError,
+    build_report,
+    default_window,
+    health_of,
+    load_part,
+    render_markdown,
+    render_table,
+    series_of,
+)
+
+DEFAULT_STEPS = 1000
+DEFAULT_COMPILE = "block"
+REPORTS = ("loss_compare.md", "loss_compare.json", "loss_compare.png")
+OUTPUTS = (*REPORTS, "tb", "runs")
+RUN_ONLY = ("--config", "--steps", "--precisions", "--compile", "--nproc", "--warmup")
+# What the parts of a merge must share for their losses to be comparable.
+SHARED = (("config", "config"), ("steps", "steps"), ("train_overrides", "train overrides after `--`"),
+          ("compile", "compile mode"), ("nproc", "nproc"))
+
+
+def _check_common(cli: argparse.Namespace) -> None:
+    if not cli.out:
+        raise BadArgs("the following arguments are required: --out")
+    if cli.tolerance is not None and not (math.isfinite(cli.tolerance) and cli.tolerance > 0):
+        raise BadArgs(f"--tolerance must be a positive percentage, got {cli.tolerance}")
+    if cli.window is not None and cli.window < 1:
+        raise BadArgs(f"--window must be >= 1, got {cli.window}")
+
+
+def _check_merge_args(cli: argparse.Namespace, extras: list[str]) -> None:
+    given = [flag for flag in RUN_ONLY if getattr(cli, flag[2:]) is not None]
+    if given or extras:
+        dropped = ", ".join(given + (["the train.py arguments after `--`"] if extras else []))
+        raise BadArgs(f"--merge rebuilds the report from its parts and runs nothing: drop {dropped}")
+
+
+def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
+    if not cli.config:
+        raise BadArgs("the following arguments are required: --config (or --merge PART.json ...)")
+    cli.steps = DEFAULT_STEPS if cli.steps is None else cli.steps
+    cli.nproc = 1 if cli.nproc is None else cli.nproc
+    cli.precisions = comma_names(cli.precisions or "bf16,tensorwise,rowwise", PRECISIONS, "--precisions")
+    cli.compile = DEFAULT_COMPILE if cli.compile is None else cli.compile.strip()
+    if cli.compile not in COMPILE_MODES:
+        raise BadArgs(f"--compile takes one mode of {', '.join(COMPILE_MODES)}, got '{cli.compile}'")
+    if cli.nproc < 1:
+        raise BadArgs(f"--nproc must be >= 1, got {cli.nproc}")
+    if cli.steps < 1:
+        raise BadArgs(f"--steps must be >= 1, got {cli.steps}")
+    if cli.warmup is None:
+        cli.warmup = min(3, cli.steps - 1)
+    if not 0 <= cli.warmup < cli.steps:
+        raise BadArgs(f"--warmup must be in [0, steps), got {cli.warmup} with --steps {cli.steps}")
+    cli.window = default_window(cli.steps) if cli.window is None else cli.window
+    if cli.window > cli.steps:
+        raise BadArgs(f"--window must be at most --steps ({cli.steps}), got {cli.window}")
+    cli.tolerance = DEFAULT_TOLERANCE_PCT if cli.tolerance is None else cli.tolerance
+    cli.profile_step = None  # run_cell's: no step is traced here
+    if not Path(cli.config).is_file():
+        raise BadArgs(f"config file not found: {cli.config}")
+    owned = set(option_names(cell_overrides("rowwise", "none", 1, "x", 1))) - {"float8.fsdp_float8_all_gather"}
+    for name in option_names(extras):
+        if name == "config":
+            raise BadArgs("pass --config before `--`, not after it")
+        if name in owned:
+            raise BadArgs(f"--{name} is set for each run by this script; use --precisions, --compile, --steps "
+                          "or --out")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(options, train.py overrides after `--`); raises BadArgs with a one-line message."""
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extras = argv[:cut], argv[cut + 1:]
+    else:
+        extras = []
+    p = ArgParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                  epilog="Arguments after `--` are passed to every train.py run.")
+    p.add_argument("--config", help="train.py TOML config (required unless --merge)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps per run (default {DEFAULT_STEPS})")
+    p.add_argument("--precisions", help=f"comma list of {', '.join(PRECISIONS)} (default bf16,tensorwise,rowwise)")
+    p.add_argument("--compile", help=f"one of {', '.join(COMPILE_MODES)} (default {DEFAULT_COMPILE})")
+    p.add_argument("--nproc", type=int, help="processes (GPUs) per run; >1 uses torch.distributed.run (default 1)")
+    p.add_argument("--warmup", type=int, help="steps left out of the tokens/s median (default min(3, steps-1))")
+    p.add_argument("--window", type=int, help="moving-average window of the worst gap (default max(1, steps // 20))")
+    p.add_argument("--tolerance", type=float, help=f"verdict tolerance in %% (default {DEFAULT_TOLERANCE_PCT})")
+    p.add_argument("--out", help="output folder (required)")
+    p.add_argument("--merge", nargs="+", metavar="PART.json",
+                   help="rebuild the report from the loss_compare.json of several invocations (runs nothing)")
+    cli = p.parse_args(argv)
+    _check_common(cli)
+    if cli.merge:
+        _check_merge_args(cli, extras)
+    else:
+        _check_run_args(cli, extras)
+    return cli, extras
+
+
+def _check_train_args(cli: argparse.Namespace, extras: list[str]) -> None:
+    """Let train.py's own config validation reject bad overrides once, before any run starts."""
+    from trainer.config import build_config
+    from trainer.errors import UserError
+
+    for precision in cli.precisions:
+        try:
+            build_config(["--config", cli.config, *extras, *cell_overrides(precision, cli.compile, cli.steps, "x")])
+        except UserError as e:
+            raise BadArgs(str(e)) from None
+
+
+def merge_parts(parts: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The runs of all parts; raises BadArgs when the parts cannot be compared or overlap."""
+    first_path, first = parts[0]
+    for path, part in parts[1:]:
+        for key, label in SHARED:
+            if part[key] != first[key]:
+                raise BadArgs(f"--merge: {first_path} and {path} disagree on {label} "
+                              f"({json.dumps(first[key])} vs {json.dumps(part[key])})")
+    seen: dict[str, Path] = {}
+    runs = []
+    for path, part in parts:
+        for run in part["runs"]:
+            if run["precision"] in seen:
+                raise BadArgs(f"--merge: {run['precision']} appears twice ({seen[run['precision']]} and {path})")
+            seen[run["precision"]] = path
+            runs.append(run)
+    if BASELINE not in seen:
+        raise BadArgs("--merge: no part has a bf16 run, so there is nothing to compare against")
+    return runs
+
+
+def _agreed(parts: list[tuple[Path, dict[str, Any]]], key: str, default: Any) -> Any:
+    values = {json.dumps(part.get(key)) for _, part in parts}
+    return parts[0][1].get(key, default) if len(values) == 1 else default
+
+
+def merge(cli: argparse.Namespace, command: str, date: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(info, runs) of --merge; raises BadArgs (a part unreadable, or the parts not comparable)."""
+    paths = [Path(p) / "loss_compare.json" if Path(p).is_dir() else Path(p) for p in cli.merge]
+    try:
+        parts = [(path, load_part(path)) for path in paths]
+    except PartError as e:
+        raise BadArgs(str(e)) from None
+    runs = merge_parts(parts)
+    first = parts[0][1]
+    base_part = next(part for _, part in parts if any(r["precision"] == BASELINE for r in part["runs"]))
+    window = cli.window if cli.window is not None else _agreed(parts, "window", default_window(first["steps"]))
+    if window > first["steps"]:
+        raise BadArgs(f"--window must be at most the parts' steps ({first['steps']}), got {window}")
+    info = {"command": command, "date": date, "environment": base_part["environment"],
+            **{key: first[key] for key, _ in SHARED}, "warmup": _agreed(parts, "warmup", None),
+            "window": window, "tolerance": cli.tolerance if cli.tolerance is not None
+            else _agreed(parts, "tolerance", DEFAULT_TOLERANCE_PCT),
+            "precisions": sorted({r["precision"] for r in runs}, key=PRECISIONS.index),
+            "parts": [{"path": str(path), "command": part["command"], "date": part["date"],
+                       "environment": part["environment"], "precisions": [r["precision"] for r in part["runs"]]}
+                      for path, part in parts]}
+    return info, runs
+
+
+def run_entry(r: CellResult, metrics: Path, warmup: int) -> dict[str, Any]:
+    """A run as loss_compare.json keeps it: the cell's result and its series (partial if it failed)."""
+    try:
+        records = read_metrics(metrics)
+    except ValueError:
+        records = []
+    keep = ("precision", "compile", "ok", "reason", "returncode", "wall_s", "command", "log", "tps",
+            "tflops", "peak_memory_gib", "first_step_s", "final_loss", "steps_measured")
+    return {"name": r.name, **{k: getattr(r, k) for k in keep}, "warmup": warmup, **series_of(records),
+            "health": health_of(records)}
+
+
+def run_all(cli: argparse.Namespace, extras: list[str], out: Path) -> list[dict[str, Any]]:
+    train_py = "train.py" if Path.cwd().resolve() == ROOT else str(ROOT / "train.py")
+    runs = []
+    for i, precision in enumerate(cli.precisions, 1):
+        tag = f"[{i}/{len(cli.precisions)}] {precision}-{cli.compile}"
+        print(f"{tag}: running {cli.steps} steps, log in {out / 'runs' / f'{precision}-{cli.compile}' / 'log.txt'}",
+              flush=True)
+        r = run_cell(precision, cli.compile, cli, extras, out, train_py)
+        status = (f"final loss {r.final_loss:.4f}, {r.tps:,.0f} tokens/s/GPU" if r.ok else f"FAILED: {r.reason}")
+        print(f"{tag}: {status} ({r.wall_s or 0:.0f} s)", flush=True)
+        runs.append(run_entry(r, out / "runs" / r.name / "metrics.jsonl", cli.warmup))
+    return runs
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    (out / "loss_compare.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "loss_compare.md").write_text(render_markdown(report))
+    chart = write_chart(report, out / "loss_compare.png")
+    print(f"wrote {out / 'loss_compare.md'}, {out / 'loss_compare.json'}"
+          + (f", {out / 'loss_compare.png'}" if chart else ""), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    script = "scripts/loss_compare.py" if Path.cwd().resolve() == ROOT else str(Path(__file__).resolve())
+    command = shlex.join(["python", script, *argv])
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    try:
+        cli, extras = parse_args(argv)
+        if cli.merge:
+            info, runs = merge(cli, command, date)
+        else:
+            _check_train_args(cli, extras)
+    except BadArgs as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    out = Path(cli.out)
+    keep_earlier_results(out, REPORTS if cli.merge else OUTPUTS)
+    out.mkdir(parents=True, exist_ok=True)
+    if not cli.merge:
+        runs = run_all(cli, extras, out)
+        info = {"command": command, "date": date, "environment": environment(), "config": cli.config,
+                "steps": cli.steps, "warmup": cli.warmup, "window": cli.window, "tolerance": cli.tolerance,
+                "compile": cli.compile, "nproc": cli.nproc, "train_overrides": extras,
+                "precisions": cli.precisions}
+    report = build_report(info, runs)
+    write_outputs(report, out)
+    for run in report["runs"]:
+        if not run["ok"]:
+            print(f"{run['name']} failed: {run['reason']} (log: {run['log']})", flush=True)
+    if not any(r["precision"] == BASELINE for r in report["runs"]):
+        print("note: no bf16 run here, so no gaps: combine this part with a bf16 one with --merge", flush=True)
+    for v in report["verdicts"].values():
+        print(v["text"], flush=True)
+    print(render_table(report), flush=True)
+    return 0 if any(r["ok"] for r in report["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""The numbers of scripts/loss_compare.py and its loss_compare.md / loss_compare.json.
+
+A run is a dict (as loss_compare.json keeps it): precision, compile, ok, reason, command, log,
+tps, warmup, and its series: train_steps / train_loss (every logged step) and validation_loss
+({"step": loss}). `build_report` adds each run's stats (gaps to bf16 by step) and the verdicts;
+it is what a merge calls again on the runs of several parts, so nothing is trusted from them.
+Gaps are signed, relative to bf16, in %: positive when float8's loss is higher (worse).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from scripts.cells import BASELINE, PRECISIONS
+from scripts.compare_report import format_number
+
+KIND = "loss_compare"
+DEFAULT_TOLERANCE_PCT = 0.5
+MAX_VALIDATION_COLUMNS = 4  # more evaluations than this: the table shows the last one only
+HEALTH_OPERANDS = ("input", "weight", "grad_output")
+HEALTH_PREFIX = "float8/worst/"
+
+
+class PartError(Exception):
+    """A loss_compare.json that is missing, unreadable or not one."""
+
+
+def default_window(steps: int) -> int:
+    return max(1, steps // 20)
+
+
+def tail_steps(steps: int) -> int:
+    """How many of the last steps the final training loss averages: 10 %, at least 1."""
+    return max(1, steps // 10)
+
+
+def finite(steps: list[int], losses: list[float | None]) -> tuple[list[int], list[float]]:
+    """The (step, loss) pairs with a finite loss (metrics.jsonl writes NaN and inf as null)."""
+    pairs = [(s, x) for s, x in zip(steps, losses) if x is not None and math.isfinite(x)]
+    return [s for s, _ in pairs], [x for _, x in pairs]
+
+
+def tail_mean(steps: list[int], losses: list[float | None], total_steps: int) -> float | None:
+    """Mean loss over steps > total_steps - tail_steps(total_steps); None when none is finite."""
+    first = total_steps - tail_steps(total_steps)
+    tail = [x for s, x in zip(*finite(steps, losses)) if s > first]
+    return statistics.fmean(tail) if tail else None
+
+
+def relative_gap_pct(value: float | None, base: float | None) -> float | None:
+    """100 * (value - base) / |base|; None when either is missing or base is 0."""
+    if value is None or base is None or base == 0:
+        return None
+    return 100.0 * (value - base) / abs(base)
+
+
+def moving_average(steps: list[int], losses: list[float | None], window: int) -> dict[int, float]:
+    """Trailing mean of `window` consecutive finite losses, keyed by the step that ends the window."""
+    steps, losses = finite(steps, losses)
+    return {steps[i]: statistics.fmean(losses[i + 1 - window:i + 1]) for i in range(window - 1, len(losses))}
+
+
+def worst_window_gap(base: dict[int, float], other: dict[int, float]) -> tuple[float, int] | None:
+    """(gap %, step) of the largest |gap| between two moving averages at their common steps; first wins ties."""
+    worst = None
+    for step in sorted(base.keys() & other.keys()):
+        gap = relative_gap_pct(other[step], base[step])
+        if gap is not None and (worst is None or abs(gap) > abs(worst[0])):
+            worst = (gap, step)
+    return worst
+
+
+def validation_of(run: dict[str, Any]) -> dict[int, float]:
+    """The run's held-out losses by step (JSON keys are strings), finite ones only."""
+    return {int(s): x for s, x in (run.get("validation_loss") or {}).items()
+            if x is not None and math.isfinite(x)}
+
+
+def series_of(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """train_steps, train_loss and validation_loss of metrics.jsonl records, by step."""
+    records = sorted((r for r in records if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    return {
+        "train_steps": [r["step"] for r in records],
+        "train_loss": [r.get("loss") for r in records],
+        "validation_loss": {str(r["step"]): r["validation/loss"] for r in records
+                            if isinstance(r.get("validation/loss"), (int, float))},
+    }
+
+
+def health_of(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """float8/worst/<operand>/<quantity>[/layer] of the last record that has any: {"step", "operands":
+    {operand: {quantity: {"value", "layer"}}}}; None without such keys. Odd keys and values are skipped."""
+    for record in sorted(records, key=lambda r: r.get("step") or 0, reverse=True):
+        operands: dict[str, dict[str, dict[str, Any]]] = {}
+        for key, value in record.items():
+            if not key.startswith(HEALTH_PREFIX):
+                continue
+            parts = key[len(HEALTH_PREFIX):].split("/")
+            if len(parts) == 2 and isinstance(value, (int, float)) and not isinstance(value, bool):
+                operands.setdefault(parts[0], {}).setdefault(parts[1], {})["value"] = float(value)
+            elif len(parts) == 3 and parts[2] == "layer" and isinstance(value, str):
+                operands.setdefault(parts[0], {}).setdefault(parts[1], {})["layer"] = value
+        operands = {op: {q: v for q, v in qs.items() if "value" in v} for op, qs in operands.items()}
+        operands = {op: qs for op, qs in operands.items() if qs}
+        if operands:
+            return {"step": record.get("step"), "operands": operands}
+    return None
+
+
+def run_stats(run: dict[str, Any], base: dict[str, Any] | None, steps: int, window: int) -> dict[str, Any]:
+    """Final training loss, held-out losses and their gaps to `base` (the ok bf16 run, or None)."""
+    train = tail_mean(run["train_steps"], run["train_loss"], steps)
+    val = validation_of(run)
+    stats: dict[str, Any] = {"train_loss_tail": train, "train_gap_pct": None, "worst_window_gap_pct": None,
+                             "worst_window_step": None, "validation_gap_pct": {}}
+    last = max(val, default=None)
+    stats["final_validation_step"] = last
+    stats["final_validation_loss"] = val.get(last) if last is not None else None
+    stats["final_validation_gap_pct"] = None
+    if base is None or run is base:
+        return stats
+    stats["train_gap_pct"] = relative_gap_pct(train, tail_mean(base["train_steps"], base["train_loss"], steps))
+    worst = worst_window_gap(moving_average(base["train_steps"], base["train_loss"], window),
+                             moving_average(run["train_steps"], run["train_loss"], window))
+    if worst is not None:
+        stats["worst_window_gap_pct"], stats["worst_window_step"] = worst
+    base_val = validation_of(base)
+    stats["validation_gap_pct"] = {str(s): relative_gap_pct(x, base_val.get(s)) for s, x in sorted(val.items())}
+    if last is not None:
+        stats["final_validation_gap_pct"] = relative_gap_pct(val[last], base_val.get(last))
+    return stats
+
+
+def gap_text(gap: float | None) -> str:
+    return "n/a" if gap is None else f"{gap:+.2f} %"
+
+
+def verdict(precision: str, stats: dict[str, Any], tolerance: float) -> tuple[bool | None, str]:
+    """(within, line): within ±tolerance % of bf16 on the final training and held-out loss, or which is not."""
+    train, val = stats["train_gap_pct"], stats["final_validation_gap_pct"]
+    if train is None:
+        return None, f"{precision}: no verdict: no final training loss to compare"
+    checks = [("final training loss", train, "")]
+    if val is not None:
+        checks.append(("final held-out loss", val, f" at step {stats['final_validation_step']}"))
+    within = all(abs(g) <= tolerance for _, g, _ in checks)
+    if within:
+        text = f"within ±{tolerance:g} % of bf16: " + ", ".join(f"{n} {gap_text(g)}{at}" for n, g, at in checks)
+    else:
+        text = f"NOT within ±{tolerance:g} % of bf16: " + ", ".join(
+            f"{n} {gap_text(g)}{at} ({'within' if abs(g) <= tolerance else 'outside'})" for n, g, at in checks)
+    if val is None:
+        text += "; no held-out loss to compare (validation off, or not evaluated in both runs)"
+    return within, f"{precision}: {text}"
+
+
+def baseline_of(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((r for r in runs if r["precision"] == BASELINE and r["ok"]), None)
+
+
+def build_report(info: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """loss_compare.json: info, the runs (in PRECISIONS order) with their stats, verdicts and failures."""
+    runs = sorted(runs, key=lambda r: PRECISIONS.index(r["precision"]))
+    base = baseline_of(runs)
+    verdicts = {}
+    for run in runs:
+        run["stats"] = run_stats(run, base, info["steps"], info["window"]) if run["ok"] else None
+        if run["precision"] == BASELINE:
+            continue
+        if base is None:
+            verdicts[run["precision"]] = {"within": None, "text": f"{run['precision']}: no verdict: bf16 is missing"}
+        elif not run["ok"]:
+            verdicts[run["precision"]] = {"within": None, "text": f"{run['precision']}: no verdict: the run failed"}
+        else:
+            within, text = verdict(run["precision"], run["stats"], info["tolerance"])
+            verdicts[run["precision"]] = {"within": within, "text": text}
+    return {"kind": KIND, **info, "baseline": BASELINE, "runs": runs, "verdicts": verdicts,
+            "failures": {r["name"]: r["reason"] for r in runs if not r["ok"]}}
+
+
+def validation_columns(report: dict[str, Any]) -> tuple[list[int], int]:
+    """(the evaluated steps the table shows, how many there were): all of a few, else the last."""
+    evaluated = sorted({s for r in report["runs"] if r["ok"] for s in validation_of(r)})
+    return (evaluated if len(evaluated) <= MAX_VALIDATION_COLUMNS else evaluated[-1:]), len(evaluated)
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """One row per run: final training loss and gap, worst moving-window gap, held-out losses, tokens/s."""
+    shown, evaluated = validation_columns(report)
+    base = baseline_of(report["runs"])
+    last_of = f" (last of {evaluated})" if len(shown) < evaluated else ""
+    header = (["precision", f"train loss (last {tail_steps(report['steps'])} steps)", "vs bf16",
+               f"worst gap (window {report['window']})"]
+              + [f"held-out @ {s}" + (last_of if s == shown[-1] else "") for s in shown] + ["tokens/s/GPU"])
+    rows = ["| " + " | ".join(header) + " |", "|---|" + "--:|" * (len(header) - 1)]
+    for r in report["runs"]:
+        if not r["ok"]:
+            rows.append(f"| {r['precision']} | failed |" + " |" * (len(header) - 2))
+            continue
+        st, is_base = r["stats"], r is base
+        val, val_gaps = validation_of(r), st["validation_gap_pct"]
+        worst = ("-" if is_base else "n/a" if st["worst_window_step"] is None
+                 else f"{gap_text(st['worst_window_gap_pct'])} @ step {st['worst_window_step']}")
+        cells = [r["precision"], "n/a" if st["train_loss_tail"] is None else f"{st['train_loss_tail']:.4f}",
+                 "baseline" if is_base else gap_text(st["train_gap_pct"]), worst]
+        for s in shown:
+            text = f"{val[s]:.4f}" if s in val else "-"
+            if s in val and not is_base and base is not None:
+                text += f" ({gap_text(val_gaps.get(str(s)))})"
+            cells.append(text)
+        tps = "n/a" if r.get("tps") is None else f"{r['tps']:,.0f}"
+        if r.get("tps") and base is not None and not is_base and base.get("tps"):
+            tps += f" ({r['tps'] / base['tps']:.2f}x)"
+        rows.append("| " + " | ".join([*cells, tps]) + " |")
+    return "\n".join(rows)
+
+
+def render_health(report: dict[str, Any]) -> str:
+    """Worst underflow and saturation per operand, and the largest amax growth, per float8 run; "" if none."""
+    runs = [r for r in report["runs"] if r.get("health") and r["precision"] != BASELINE]
+    if not runs:
+        return ""
+    lines = ["## Float8 health", "",
+             "From the last record of each run with `float8/worst/...` keys: the layer with the largest "
+             "fraction of values that underflow to zero or saturate at the float8 maximum, per operand.", "",
+             "| recipe | step | operand | worst underflow | layer | worst saturation | layer |",
+             "|---|--:|---|--:|---|--:|---|"]
+    growth = []
+    for r in runs:
+        ops = r["health"]["operands"]
+        order = [op for op in HEALTH_OPERANDS if op in ops] + sorted(set(ops) - set(HEALTH_OPERANDS))
+        for op in order:
+            if "underflow" not in ops[op] and "saturation" not in ops[op]:
+                continue
+            cells = []
+            for q in ("underflow", "saturation"):
+                entry = ops[op].get(q)
+                cells += ["-", "-"] if entry is None else [f"{100 * entry['value']:.3g} %", entry.get("layer", "?")]
+            lines.append(f"| {r['precision']} | {r['health']['step']} | {op} | " + " | ".join(cells) + " |")
+        amax = [(ops[op]["amax_growth"]["value"], op, ops[op]["amax_growth"].get("layer", "?"))
+                for op in order if "amax_growth" in ops[op]]
+        if amax:
+            value, op, layer = max(amax, key=lambda t: t[0])
+            growth.append(f"{r['precision']}: {format_number(value)} ({op}, {layer})")
+    if growth:
+        lines += ["", "Largest amax growth: " + "; ".join(growth) + "."]
+    return "\n".join(lines)
+
+
+def _device(env: dict[str, Any]) -> str:
+    return env.get("gpu") or f"CPU ({env.get('cpu', '?')})"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    env, steps = report["environment"], report["steps"]
+    base = baseline_of(report["runs"])
+    parts = ["# Is float8 hurting my loss? bf16 vs float8, same config, seed and data", "",
+             render_table(report), ""]
+    if base is None:
+        parts += ["bf16 is missing (not among these runs, or it failed): no gaps to compare. Run it with "
+                  "`--precisions bf16` and combine the parts with `--merge`.", ""]
+    if report["verdicts"]:
+        parts += ["Verdicts:", ""] + [f"- {v['text']}" for v in report["verdicts"].values()] + [""]
+    if report["failures"]:
+        parts += ["Failed runs:", ""] + [f"- {r['name']}: {r['reason']} (log: {r['log']})"
+                                         for r in report["runs"] if not r["ok"]] + [""]
+    warmups = sorted({r.get("warmup") for r in report["runs"] if r.get("warmup") is not None})
+    parts += [
+        f"train loss: mean training loss over the last {tail_steps(steps)} of {steps} steps; vs bf16: its "
+        "gap to bf16's, signed (positive: float8's loss is higher). worst gap: the largest gap, signed, "
+        f"between the two runs' moving averages of the training loss over {report['window']} steps, and "
+        "the step that ends that window. held-out @ N: the validation loss at step N (gap to bf16 in "
+        f"brackets). tokens/s/GPU: median after the {'/'.join(map(str, warmups)) or '?'} warm-up steps "
+        f"(vs bf16 in brackets). Verdicts use ±{report['tolerance']:g} % on the final training loss and "
+        "the last held-out loss." + ("" if env.get("gpu") else " On a CPU without native bf16 the bf16 run "
+                                     "computes in float32 (training.mixed_precision_param = auto)."), ""]
+    if health := render_health(report):
+        parts += [health, ""]
+    overrides = " ".join(report.get("train_overrides") or []) or "none"
+    parts += [
+        f"- command: `{report['command']}`",
+        f"- date: {report['date']}",
+        f"- torch {env['torch']}" + (f", CUDA {env['cuda']}" if env.get("cuda") else "")
+        + f", python {env['python']}",
+        f"- device: {_device(env)} x {report['nproc']} process(es)",
+        f"- config: {report['config']}, {steps} steps, compile {report['compile']}, overrides: {overrides}",
+    ]
+    for p in report.get("parts") or []:
+        penv = p["environment"]
+        parts.append(f"- part {p['path']} ({', '.join(p['precisions'])}): `{p['command']}`, {p['date']}, "
+                     f"torch {penv['torch']}, {_device(penv)}")
+    return "\n".join(parts) + "\n"
+
+
+_RUN_KEYS = {"precision": str, "ok": bool, "train_steps": list, "train_loss": list, "validation_loss": dict}
+_INFO_KEYS = ("config", "steps", "compile", "nproc", "train_overrides", "environment", "command", "date")
+
+
+def load_part(path: Path) -> dict[str, Any]:
+    """A loss_compare.json written by build_report; raises PartError with a one-line reason."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PartError(f"{path}: no such file") from None
+    except OSError as e:
+        raise PartError(f"{path}: cannot read it ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PartError(f"{path}: not JSON ({e})") from None
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if (data.get("kind") if isinstance(data, dict) else None) != KIND or not isinstance(runs, list) or not all(
+        isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in _RUN_KEYS.items())
+        and r["precision"] in PRECISIONS for r in runs
+    ) or any(k not in data for k in _INFO_KEYS):
+        raise PartError(f"{path}: not a loss_compare.json (kind {KIND}, runs with their loss series)")
+    return data
