@@ -206,11 +206,15 @@ def test_layouts_agree_on_health(tmp_path):
         assert other[f"{first}/input/amax"] == single[f"{first}/input/amax"]
         # FSDP: recovered from the gathered float8 bytes; TP: the largest shard's.
         assert other[f"{first}/weight/amax"] == pytest.approx(single[f"{first}/weight/amax"], rel=1e-6)
+        # The last block's w2 gets its output gradient through bf16 ops only; each DP rank's is
+        # DP-degree times larger (FSDP averages the gradients). Deeper output gradients pass
+        # through e5m2 GEMMs that round per layout: their amaxes are compared by shares only.
+        last = "float8/layers.3.feed_forward.w2/grad_output/amax"
+        assert other[last] == pytest.approx(dp * single[last], rel=2e-2)
         for name in ("layers.0.attention.wq", "layers.1.feed_forward.w2", "layers.3.attention.wo"):
             for operand in ("input", "weight", "grad_output"):
                 key = f"float8/{name}/{operand}"
-                # Each DP rank's loss is scaled by the DP degree (FSDP averages the gradients).
-                scaled = dp if operand == "grad_output" else 1
-                assert other[f"{key}/amax"] == pytest.approx(scaled * single[f"{key}/amax"], rel=0.1), key
+                if operand != "grad_output":
+                    assert other[f"{key}/amax"] == pytest.approx(single[f"{key}/amax"], rel=0.1), key
                 assert other[f"{key}/underflow"] == pytest.approx(single[f"{key}/underflow"], abs=2e-3), key
                 assert other[f"{key}/saturation"] == pytest.approx(single[f"{key}/saturation"], abs=2e-3), key
