@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 from scripts.cells import COMPILE_MODES, PRECISIONS
 from scripts.compare_report import Run, add_speedups, speedup_text
@@ -64,8 +65,9 @@ def chart_data(runs: list[Run], labels: list[str] | None = None) -> ChartData:
     return ChartData(groups, precisions, bars, per_run)
 
 
-def write_chart(data: ChartData, path: Path, title: str) -> bool:
-    """Grouped bars of tokens/s/GPU, one colour per precision, speedups on top; False without matplotlib."""
+def pyplot_for(path: Path) -> Any:
+    """matplotlib.pyplot (headless) to draw `path` with, or None, with a note and no stale chart
+    left at `path`, when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -75,6 +77,14 @@ def write_chart(data: ChartData, path: Path, title: str) -> bool:
         print(f"note: {path.name} not written: matplotlib is not installed "
               "(pip install matplotlib, or pip install -e '.[plot]')", file=sys.stderr)
         path.unlink(missing_ok=True)  # a chart from an earlier run would not match the table
+        return None
+    return plt
+
+
+def write_chart(data: ChartData, path: Path, title: str) -> bool:
+    """Grouped bars of tokens/s/GPU, one colour per precision, speedups on top; False without matplotlib."""
+    plt = pyplot_for(path)
+    if plt is None:
         return False
     n = len(data.precisions)
     width = 0.8 / n

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import BASELINE, COMPILE_MODES, PRECISIONS
+from scripts.cells import BASELINE, COMPILE_MODES, PRECISIONS, load_json_file
 from scripts.compare_run import CellResult
 from scripts.profile_summary import CLASSES
 
@@ -152,14 +151,7 @@ _CELL_FIELDS = {f.name for f in dataclasses.fields(CellResult)}
 
 def load_run(path: Path) -> Run:
     """A comparison.json written by report_json; raises ResultFileError with a one-line reason."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ResultFileError(f"{path}: no such file") from None
-    except OSError as e:
-        raise ResultFileError(f"{path}: cannot read it ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ResultFileError(f"{path}: not JSON ({e})") from None
+    data = load_json_file(path, ResultFileError)
     cells = data.get("cells") if isinstance(data, dict) else None
     if not isinstance(cells, list) or not all(
         isinstance(c, dict) and c.get("precision") in PRECISIONS and c.get("compile") in COMPILE_MODES

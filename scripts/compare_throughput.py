@@ -26,9 +26,7 @@ earlier run's records.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -41,11 +39,14 @@ from scripts.cells import (  # noqa: E402
     PRECISIONS,
     ArgParser,
     BadArgs,
-    cell_overrides,
+    check_config_and_overrides,
+    check_run_counts,
+    check_train_overrides,
     comma_names,
     environment,
+    invocation,
     keep_earlier_results,
-    option_names,
+    split_train_args,
 )
 from scripts.compare_chart import chart_data, chart_title, write_chart  # noqa: E402
 from scripts.compare_report import (  # noqa: E402
@@ -85,37 +86,18 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
         raise BadArgs(f"the following arguments are required: {', '.join(missing)} (or --chart PNG RESULT.json ...)")
     cli.precisions = comma_names(cli.precisions, PRECISIONS, "--precisions")
     cli.compile = comma_names(cli.compile, COMPILE_MODES, "--compile")
-    if cli.nproc < 1:
-        raise BadArgs(f"--nproc must be >= 1, got {cli.nproc}")
-    if cli.steps < 1:
-        raise BadArgs(f"--steps must be >= 1, got {cli.steps}")
-    if cli.warmup is None:
-        cli.warmup = min(3, cli.steps - 1)
-    if not 0 <= cli.warmup < cli.steps:
-        raise BadArgs(f"--warmup must be in [0, steps), got {cli.warmup} with --steps {cli.steps}")
+    check_run_counts(cli)
     if cli.profile_step is not None and not (
         1 <= cli.profile_step <= cli.steps and set(range(cli.warmup + 1, cli.steps + 1)) - {cli.profile_step}
     ):
         raise BadArgs(f"--profile-step must be a step in [1, {cli.steps}] that leaves a measured step after "
                       f"the {cli.warmup} warm-up steps, got {cli.profile_step}")
-    if not Path(cli.config).is_file():
-        raise BadArgs(f"config file not found: {cli.config}")
-    owned = set(option_names(cell_overrides("rowwise", "none", 1, "x", 1))) - {"float8.fsdp_float8_all_gather"}
-    for name in option_names(extras):
-        if name == "config":
-            raise BadArgs("pass --config before `--`, not after it")
-        if name in owned:
-            raise BadArgs(f"--{name} is set for each cell by this script; use --precisions, --compile, --steps, "
-                          "--profile-step or --out")
+    check_config_and_overrides(cli.config, extras, "cell", "--precisions, --compile, --steps, --profile-step or --out")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(options, train.py overrides after `--`); raises BadArgs with a one-line message."""
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extras = argv[:cut], argv[cut + 1:]
-    else:
-        extras = []
+    argv, extras = split_train_args(argv)
     p = ArgParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Arguments after `--` are passed to every train.py run.")
     p.add_argument("--config", help="train.py TOML config (required unless --chart)")
@@ -140,20 +122,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return cli, extras
 
 
-def _check_train_args(cli: argparse.Namespace, extras: list[str]) -> None:
-    """Let train.py's own config validation reject bad overrides once, before any run starts."""
-    from trainer.config import build_config
-    from trainer.errors import UserError
-
-    for precision in cli.precisions:
-        for mode in cli.compile:
-            try:
-                build_config(["--config", cli.config, *extras,
-                              *cell_overrides(precision, mode, cli.steps, "x", cli.profile_step)])
-            except UserError as e:
-                raise BadArgs(str(e)) from None
-
-
 def draw_from_files(cli: argparse.Namespace) -> int:
     """--chart: the chart of one or more earlier comparisons, cells merged."""
     try:
@@ -175,17 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         cli, extras = parse_args(argv)
         if cli.chart:
             return draw_from_files(cli)
-        _check_train_args(cli, extras)
+        check_train_overrides(cli.config, extras, [(p, m) for p in cli.precisions for m in cli.compile],
+                              cli.steps, cli.profile_step)
     except BadArgs as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     out = Path(cli.out)
     keep_earlier_results(out, OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
-    train_py = "train.py" if Path.cwd().resolve() == ROOT else str(ROOT / "train.py")
-    script = "scripts/compare_throughput.py" if Path.cwd().resolve() == ROOT else str(Path(__file__).resolve())
-    command = shlex.join(["python", script, *argv])
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    train_py, command, date = invocation(__file__, argv)
 
     cells = [(p, m) for m in cli.compile for p in cli.precisions]
     results = []

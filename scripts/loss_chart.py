@@ -3,11 +3,11 @@ below, each float8 run's gap to bf16 in %, with the ±tolerance band. Needs matp
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 from scripts.cells import PRECISIONS
+from scripts.compare_chart import pyplot_for
 from scripts.loss_report import baseline_of, moving_average, relative_gap_pct, validation_of
 
 
@@ -20,15 +20,8 @@ def _title(report: dict[str, Any]) -> str:
 
 def write_chart(report: dict[str, Any], path: Path) -> bool:
     """Draw the two panels into `path`; False (with a note, and no stale chart left) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"note: {path.name} not written: matplotlib is not installed "
-              "(pip install matplotlib, or pip install -e '.[plot]')", file=sys.stderr)
-        path.unlink(missing_ok=True)  # a chart from an earlier run would not match the table
+    plt = pyplot_for(path)
+    if plt is None:
         return False
     window, tolerance = report["window"], report["tolerance"]
     runs = [r for r in report["runs"] if r["train_steps"]]

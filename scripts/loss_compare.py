@@ -25,10 +25,8 @@ An earlier comparison's files there move to --out/previous-N/ first.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,12 +41,15 @@ from scripts.cells import (  # noqa: E402
     PRECISIONS,
     ArgParser,
     BadArgs,
-    cell_overrides,
+    check_config_and_overrides,
+    check_run_counts,
+    check_train_overrides,
     comma_names,
     environment,
+    invocation,
     keep_earlier_results,
-    option_names,
     read_metrics,
+    split_train_args,
 )
 from scripts.compare_run import CellResult, run_cell  # noqa: E402
 from scripts.loss_chart import write_chart  # noqa: E402
@@ -99,37 +100,18 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
     cli.compile = DEFAULT_COMPILE if cli.compile is None else cli.compile.strip()
     if cli.compile not in COMPILE_MODES:
         raise BadArgs(f"--compile takes one mode of {', '.join(COMPILE_MODES)}, got '{cli.compile}'")
-    if cli.nproc < 1:
-        raise BadArgs(f"--nproc must be >= 1, got {cli.nproc}")
-    if cli.steps < 1:
-        raise BadArgs(f"--steps must be >= 1, got {cli.steps}")
-    if cli.warmup is None:
-        cli.warmup = min(3, cli.steps - 1)
-    if not 0 <= cli.warmup < cli.steps:
-        raise BadArgs(f"--warmup must be in [0, steps), got {cli.warmup} with --steps {cli.steps}")
+    check_run_counts(cli)
     cli.window = default_window(cli.steps) if cli.window is None else cli.window
     if cli.window > cli.steps:
         raise BadArgs(f"--window must be at most --steps ({cli.steps}), got {cli.window}")
     cli.tolerance = DEFAULT_TOLERANCE_PCT if cli.tolerance is None else cli.tolerance
     cli.profile_step = None  # run_cell's: no step is traced here
-    if not Path(cli.config).is_file():
-        raise BadArgs(f"config file not found: {cli.config}")
-    owned = set(option_names(cell_overrides("rowwise", "none", 1, "x", 1))) - {"float8.fsdp_float8_all_gather"}
-    for name in option_names(extras):
-        if name == "config":
-            raise BadArgs("pass --config before `--`, not after it")
-        if name in owned:
-            raise BadArgs(f"--{name} is set for each run by this script; use --precisions, --compile, --steps "
-                          "or --out")
+    check_config_and_overrides(cli.config, extras, "run", "--precisions, --compile, --steps or --out")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(options, train.py overrides after `--`); raises BadArgs with a one-line message."""
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extras = argv[:cut], argv[cut + 1:]
-    else:
-        extras = []
+    argv, extras = split_train_args(argv)
     p = ArgParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                   epilog="Arguments after `--` are passed to every train.py run.")
     p.add_argument("--config", help="train.py TOML config (required unless --merge)")
@@ -150,18 +132,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     else:
         _check_run_args(cli, extras)
     return cli, extras
-
-
-def _check_train_args(cli: argparse.Namespace, extras: list[str]) -> None:
-    """Let train.py's own config validation reject bad overrides once, before any run starts."""
-    from trainer.config import build_config
-    from trainer.errors import UserError
-
-    for precision in cli.precisions:
-        try:
-            build_config(["--config", cli.config, *extras, *cell_overrides(precision, cli.compile, cli.steps, "x")])
-        except UserError as e:
-            raise BadArgs(str(e)) from None
 
 
 def merge_parts(parts: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -226,8 +196,7 @@ def run_entry(r: CellResult, metrics: Path, warmup: int) -> dict[str, Any]:
             "health": health_of(records)}
 
 
-def run_all(cli: argparse.Namespace, extras: list[str], out: Path) -> list[dict[str, Any]]:
-    train_py = "train.py" if Path.cwd().resolve() == ROOT else str(ROOT / "train.py")
+def run_all(cli: argparse.Namespace, extras: list[str], out: Path, train_py: str) -> list[dict[str, Any]]:
     runs = []
     for i, precision in enumerate(cli.precisions, 1):
         tag = f"[{i}/{len(cli.precisions)}] {precision}-{cli.compile}"
@@ -250,15 +219,13 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    script = "scripts/loss_compare.py" if Path.cwd().resolve() == ROOT else str(Path(__file__).resolve())
-    command = shlex.join(["python", script, *argv])
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    train_py, command, date = invocation(__file__, argv)
     try:
         cli, extras = parse_args(argv)
         if cli.merge:
             info, runs = merge(cli, command, date)
         else:
-            _check_train_args(cli, extras)
+            check_train_overrides(cli.config, extras, [(p, cli.compile) for p in cli.precisions], cli.steps)
     except BadArgs as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -266,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_earlier_results(out, REPORTS if cli.merge else OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
     if not cli.merge:
-        runs = run_all(cli, extras, out)
+        runs = run_all(cli, extras, out, train_py)
         info = {"command": command, "date": date, "environment": environment(), "config": cli.config,
                 "steps": cli.steps, "warmup": cli.warmup, "window": cli.window, "tolerance": cli.tolerance,
                 "compile": cli.compile, "nproc": cli.nproc, "train_overrides": extras,

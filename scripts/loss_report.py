@@ -9,13 +9,12 @@ Gaps are signed, relative to bf16, in %: positive when float8's loss is higher (
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import BASELINE, PRECISIONS
+from scripts.cells import BASELINE, PRECISIONS, load_json_file
 from scripts.compare_report import format_number
 
 KIND = "loss_compare"
@@ -302,14 +301,7 @@ _INFO_KEYS = ("config", "steps", "compile", "nproc", "train_overrides", "environ
 
 def load_part(path: Path) -> dict[str, Any]:
     """A loss_compare.json written by build_report; raises PartError with a one-line reason."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PartError(f"{path}: no such file") from None
-    except OSError as e:
-        raise PartError(f"{path}: cannot read it ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PartError(f"{path}: not JSON ({e})") from None
+    data = load_json_file(path, PartError)
     runs = data.get("runs") if isinstance(data, dict) else None
     if (data.get("kind") if isinstance(data, dict) else None) != KIND or not isinstance(runs, list) or not all(
         isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in _RUN_KEYS.items())
