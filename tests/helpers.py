@@ -35,6 +35,17 @@ def run_train(
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def write_lock(folder: Path, pid: int) -> Path:
+    """A run-folder lock as a run of process `pid` on this host writes it."""
+    from trainer.errors import process_start_time
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / ".lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "proc_start": process_start_time(pid),
+                                "started": "2024-01-02 03:04:05"}))
+    return lock
+
+
 def read_metrics(dump_folder: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()]
 

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import train
-from tests.helpers import ROOT, run_train
-from trainer.errors import UserError, process_start_time
+from tests.helpers import ROOT, run_train, write_lock
+from trainer.errors import UserError
 
 SMALL = [
     "--model.n_layers", "1", "--training.seq_len", "32", "--training.batch_size", "2",
@@ -90,14 +89,6 @@ def subprocess_run(args_of: Callable[[Path, pytest.FixtureRequest], list[str]], 
 
 
 # -- setups --------------------------------------------------------------------------------------
-
-
-def write_lock(folder: Path, pid: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / ".lock"
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "proc_start": process_start_time(pid),
-                                "started": "2024-01-02 03:04:05"}))
-    return lock
 
 
 def live_lock(folder: Path) -> Path:

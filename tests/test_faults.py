@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import run_train
+from tests.helpers import run_train, write_lock
 from tests.test_checkpoint import one_error_line as error_line
 from trainer.checkpoint.state import nonfinite_weights
 from trainer.config import build_config
-from trainer.errors import UserError, process_start_time
+from trainer.errors import UserError
 from trainer.metrics.logger import MetricsLogger
 from trainer.model_setup import model_args_for
 from trainer.optim import lr_multiplier
@@ -263,14 +263,6 @@ def test_move_previous_records_numbers_after_the_highest(tmp_path):
 
 
 # -- 6. two runs in one dump folder -----------------------------------------------------------
-
-
-def write_lock(folder: Path, pid: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / ".lock"
-    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "proc_start": process_start_time(pid),
-                                "started": "2024-01-02 03:04:05"}))
-    return lock
 
 
 def test_a_live_run_holding_the_folder_stops_the_second(tmp_path):
