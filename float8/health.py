@@ -115,6 +115,7 @@ class Float8HealthMonitor:
             self._probes.append(probe)
         self._first_amax: list[float] | None = None
         self._warned: set[tuple[str, str, str]] = set()
+        self.armed = False
 
     def _recorder(self, i: int):
         def record(stats: torch.Tensor) -> None:
@@ -126,6 +127,7 @@ class Float8HealthMonitor:
     def arm(self) -> None:
         for (_, module), probe in zip(self.layers, self._probes):
             module.health_probe = probe
+        self.armed = True
 
     def disarm(self) -> None:
         for _, module in self.layers:
@@ -133,6 +135,7 @@ class Float8HealthMonitor:
         for probe in self._probes:
             probe.grad = None
         self._pending.clear()
+        self.armed = False
 
     def collect(self, group: dist.ProcessGroup | None = None) -> HealthReport:
         """This step's stats over every rank of `group` (all ranks call it), then disarm.

@@ -187,7 +187,6 @@ class Float8Training:
         self.report: Float8ConversionReport | None = None
         self._notes: list[str] = []
         self._health: Float8HealthMonitor | None = None
-        self._health_armed = False
 
     @staticmethod
     def from_config(f8: Float8TrainingConfig, run: Float8RunContext) -> Float8Training | NoFloat8Training:
@@ -234,13 +233,11 @@ class Float8Training:
             if self._health is None:
                 self._health = Float8HealthMonitor(model, device)
             self._health.arm()
-            self._health_armed = True
 
     def read_health(self) -> HealthReport:
         """After the armed step: its float8 health over every rank (all ranks call this); empty otherwise."""
-        if not self._health_armed:
+        if self._health is None or not self._health.armed:
             return HealthReport({}, [])
-        self._health_armed = False
         return self._health.collect()
 
     def advice(self, device: torch.device, dp_degree: int, tp_degree: int) -> list[str]:
