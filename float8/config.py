@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from float8.operands import EAGER_CASTS
 from float8.recipe import RECIPES, Float8Recipe
-from float8.scaling import EAGER_CAST_MODES
 
 
 @dataclass
@@ -22,10 +22,14 @@ class Float8Config:
         output layer by default (its logits feed the softmax directly: float8 costs accuracy
         there and saves little).
     min_features: skip linears whose in_features or out_features is below this.
-    compile_casts_in_eager: outside torch.compile, run the casts as compiled (fused)
-        kernels: "cuda" (on CUDA tensors), "always" or "never". Under an outer
-        torch.compile the casts are traced with the model whatever this says.
-    dynamo_recompile_limit: the per-function recompile limit the compiled eager casts need
+    eager_casts: how casts run outside torch.compile: "triton" (float8/kernels: one read writes
+        both layouts, scale and inverse from the cast's own kernels; CUDA), "compiled" (each
+        cast compiled into fused kernels by torch.compile), "plain" (eager PyTorch ops), or
+        "auto": triton on CUDA where Triton imports, else compiled on CUDA, plain elsewhere.
+        triton and plain give the same bytes (compiled: a scale can be 1 ulp off, from
+        inductor's division). Under an outer torch.compile the casts are traced with the model
+        whatever this says.
+    dynamo_recompile_limit: the per-function recompile limit the "compiled" eager casts need
         (one variant per float8 dtype, input dtype and layout). Nothing in this package
         changes torch's global settings: `float8.raise_dynamo_recompile_limit(limit)` applies
         it process-wide (the trainer does); below it, rarer variants run unfused.
@@ -36,7 +40,7 @@ class Float8Config:
     fsdp_float8_all_gather: bool = False
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     min_features: int = 0
-    compile_casts_in_eager: str = "cuda"
+    eager_casts: str = "auto"
     dynamo_recompile_limit: int = 64
 
     def __post_init__(self) -> None:
@@ -58,11 +62,8 @@ class Float8Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Float8Config.{name} must be an int >= 0, got {value!r}")
-        if self.compile_casts_in_eager not in EAGER_CAST_MODES:
-            raise ValueError(
-                f"Float8Config.compile_casts_in_eager must be one of {EAGER_CAST_MODES}, "
-                f"got {self.compile_casts_in_eager!r}"
-            )
+        if self.eager_casts not in EAGER_CASTS:
+            raise ValueError(f"Float8Config.eager_casts must be one of {EAGER_CASTS}, got {self.eager_casts!r}")
         if self.fsdp_float8_all_gather and not self.recipe.weight_gatherable_in_float8:
             raise ValueError(
                 "Float8Config.fsdp_float8_all_gather needs a recipe that casts the weight to e4m3 with "

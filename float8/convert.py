@@ -22,14 +22,15 @@ class Float8ConversionReport:
     def __str__(self) -> str:
         text = f"{len(self.converted)} converted"
         if self.converted:
-            text += f" ({_names(self.converted)})"
+            text += f" ({layer_names(self.converted)})"
         if self.skipped:
             text += f"; {len(self.skipped)} skipped: {_by_reason(self.skipped)}"
         return text
 
 
-def _names(fqns: list[str]) -> str:
-    """Collapse repeated layers by leaf name: "wq, wk x32", or "output, w1 x4" when counts differ."""
+def layer_names(fqns: list[str]) -> str:
+    """Layer names for a summary, repeated layers collapsed by leaf name: "wq, wk x32", or
+    "output, w1 x4" when counts differ."""
     groups: dict[str, list[str]] = {}
     for fqn in fqns:
         groups.setdefault(fqn.rsplit(".", 1)[-1], []).append(fqn)
@@ -43,12 +44,26 @@ def _by_reason(items: list[tuple[str, str]]) -> str:
     by_reason: dict[str, list[str]] = {}
     for fqn, why in items:
         by_reason.setdefault(why, []).append(fqn)
-    return "; ".join(_names(fqns) + (f" ({why})" if why else "") for why, fqns in by_reason.items())
+    return "; ".join(layer_names(fqns) + (f" ({why})" if why else "") for why, fqns in by_reason.items())
 
 
-def _skip_reason(
-    fqn: str, linear: nn.Linear, config: Float8Config, module_filter_fn: Callable | None
-) -> str | None:
+@dataclass(frozen=True)
+class KeepHighPrecision:
+    """What a `module_filter_fn` may return instead of False: keep the linear, for `reason`
+    (which the report lists). It is falsy, so filters that return it read as False anywhere."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+ModuleFilterFn = Callable[[nn.Module, str], bool | KeepHighPrecision]
+
+
+def rules_skip_reason(fqn: str, linear: nn.Linear, config: Float8Config) -> str | None:
+    """Why `config`'s rules (filter_fqns, alignment, min_features) keep `linear` in high
+    precision, or None when they convert it."""
     if any(f in fqn for f in config.filter_fqns):
         return "filtered by filter_fqns"
     for dim in ("in_features", "out_features"):
@@ -57,21 +72,33 @@ def _skip_reason(
             return f"{dim} {size} not divisible by {_ALIGN}"
     if min(linear.in_features, linear.out_features) < config.min_features:
         return "smaller than min_features"
-    if module_filter_fn is not None and not module_filter_fn(linear, fqn):
-        return "rejected by module_filter_fn"
     return None
+
+
+def _skip_reason(
+    fqn: str, linear: nn.Linear, config: Float8Config, module_filter_fn: ModuleFilterFn | None
+) -> str | None:
+    reason = rules_skip_reason(fqn, linear, config)
+    if reason is None and module_filter_fn is not None:
+        verdict = module_filter_fn(linear, fqn)
+        if isinstance(verdict, KeepHighPrecision):
+            return verdict.reason
+        if not verdict:
+            return "rejected by module_filter_fn"
+    return reason
 
 
 def convert_to_float8_training(
     model: nn.Module,
     config: Float8Config | None = None,
-    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    module_filter_fn: ModuleFilterFn | None = None,
 ) -> Float8ConversionReport:
     """Replace eligible `nn.Linear`s in `model` by `Float8Linear`s sharing their parameters.
 
     Works on any device including `meta` (nothing is allocated or copied). Call it
-    before tensor parallelism, compile and FSDP. `module_filter_fn(module, fqn)`
-    returning False keeps that linear in high precision.
+    before tensor parallelism, compile and FSDP. `module_filter_fn(module, fqn)`, asked only
+    about linears the rules convert, keeps that linear in high precision when it returns False
+    or a `KeepHighPrecision(reason)` (the report then gives the reason).
     """
     config = config or Float8Config()
     if isinstance(model, nn.Linear):

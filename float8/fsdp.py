@@ -26,7 +26,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from float8.scaling import E4M3, amax_to_scale, cast_with_scale
+from float8.operands import cast_weight_with_scale
+from float8.scaling import E4M3, amax_to_scale
 
 # Ops that must keep the wrapper so FSDP's sharding, padding, copies and
 # `to_empty` produce Float8TrainingWeight shards; all other ops return plain tensors.
@@ -110,7 +111,7 @@ class Float8TrainingWeight(torch.Tensor):
             amax = _amax(self._tensor)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
             scale = amax_to_scale(amax, E4M3)
-        data = cast_with_scale(self._tensor, scale, E4M3)
+        data = cast_weight_with_scale(self._tensor, scale, E4M3)
         if outer_size is not None and mesh.ndim == 1:
             # Uneven sharding: FSDP wants every rank's input at the padded shard size.
             pad_rows = -(-outer_size[0] // mesh.size()) - data.shape[0]

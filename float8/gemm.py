@@ -12,8 +12,8 @@ from float8.scaling import E4M3
 def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
+    a_inv: torch.Tensor,
+    b_inv: torch.Tensor,
     out_dtype: torch.dtype,
     rowwise: bool,
     emulate: bool,
@@ -21,9 +21,8 @@ def scaled_mm(
 ) -> torch.Tensor:
     """a @ b for float8 `a` (row-major) and `b` (column-major), undoing their scales.
 
-    Scales are the multipliers the casts applied; `torch._scaled_mm` wants their inverses.
+    `a_inv`, `b_inv`: the inverses of the multipliers the casts applied, as `torch._scaled_mm` takes them.
     """
-    a_inv, b_inv = a_scale.reciprocal(), b_scale.reciprocal()
     # cuBLAS rowwise-scaled float8 GEMMs only write bf16.
     gemm_dtype = torch.bfloat16 if rowwise else out_dtype
     if emulate:

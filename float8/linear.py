@@ -11,44 +11,17 @@ from float8.config import Float8Config
 from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight, plain_weight
 from float8.gemm import scaled_mm
 from float8.health import cast_stats, float8_bytes_stats, no_stats
-from float8.recipe import Cast, Float8Recipe, Gemm
-from float8.scaling import (
-    cast_colwise_t,
-    cast_rowwise,
-    cast_tensorwise,
-    cast_tensorwise_t,
-    casts_compiled_in_eager,
+from float8.operands import (
+    Operand,
+    cast_t_with_scale,
+    eager_backend,
+    operand,
+    operand_t,
+    operands_both,
+    shared,
+    transposed,
 )
-
-# A GEMM operand: (data, scale) with the summed dim last and row-major; the scale is None
-# for a high-precision operand, 0-dim for one per tensor, (rows, 1) for one per row.
-Operand = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def _cast(t: torch.Tensor, cast: Cast, fused: bool) -> Operand:
-    """A 2-D `t` whose last dim the GEMM sums over, cast for it."""
-    if cast.dtype is None:
-        return t, None
-    if cast.amax_over is None:
-        return cast_tensorwise(t, cast.dtype, cast.pow2, fused=fused)
-    return cast_rowwise(t, -1, cast.dtype, cast.pow2, fused=fused)
-
-
-def _cast_t(t: torch.Tensor, cast: Cast, fused: bool) -> Operand:
-    """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout."""
-    if cast.dtype is None:
-        return t.t(), None
-    if cast.amax_over is None:
-        data, scale = cast_tensorwise(t, cast.dtype, cast.pow2, fused=fused)
-        return data.t().contiguous(), scale
-    return cast_colwise_t(t, cast.dtype, cast.pow2, fused=fused)
-
-
-def _transposed(operand: Operand) -> Operand:
-    """One GEMM's operand reused by another that sums over its other dim: a per-tensor scale
-    (or none) serves both, so only the layout changes."""
-    data, scale = operand
-    return (data.t(), None) if scale is None else (data.t().contiguous(), scale)
+from float8.recipe import Cast, Float8Recipe, Gemm
 
 
 def _pad_summed_dim(a: Operand, b: Operand) -> tuple[Operand, Operand]:
@@ -56,31 +29,25 @@ def _pad_summed_dim(a: Operand, b: Operand) -> tuple[Operand, Operand]:
     nothing to the product. Only tokens need it (conversion checks the weight's dims), and
     only the backward pads: under torch 2.11 with dynamic shapes, a shape test in the forward
     broke dynamo's tracing of this function."""
-    (a_data, a_scale), (b_data, b_scale) = a, b
-    pad = -a_data.shape[1] % 16
-    if pad == 0 or a_scale is None:  # high-precision GEMMs take any size
+    pad = -a.data.shape[1] % 16
+    if pad == 0 or a.scale is None:  # high-precision GEMMs take any size
         return a, b
     # float8 has no pad kernel on every backend; the same zero bytes as uint8 do.
-    a_data, b_data = (F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype) for t in (a_data, b_data))
-    return (a_data, a_scale), (b_data, b_scale)
-
-
-def _shared(cast: Cast, other: Cast) -> bool:
-    """Whether a tensor is cast the same, per tensor, for both of its GEMMs: one cast (one
-    scale) then serves both layouts."""
-    return cast == other and cast.dtype is not None and cast.amax_over is None
+    a_data, b_data = (F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype) for t in (a.data, b.data))
+    return a._replace(data=a_data), b._replace(data=b_data)
 
 
 def _gemm(gemm: Gemm, a: Operand, b: Operand, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor:
     """a @ b.T as `gemm` says, both operands with the summed dim last."""
-    (a_data, a_scale), (b_data, b_scale) = a, b
-    if a_scale is None or b_scale is None:
-        return torch.mm(a_data, b_data.t().to(a_data.dtype)).to(out_dtype)
+    if a.scale is None or b.scale is None:
+        return torch.mm(a.data, b.data.t().to(a.data.dtype)).to(out_dtype)
+    a_inv = a.scale.reciprocal() if a.inv is None else a.inv
+    b_inv = b.scale.reciprocal() if b.inv is None else b.inv
     if gemm.rowwise:
         # Row-wise kernels take per-row scales on both operands: repeat a per-tensor one.
-        a_scale = a_scale.expand(a_data.shape[0], 1) if a_scale.ndim == 0 else a_scale
-        b_scale = b_scale.expand(b_data.shape[0], 1) if b_scale.ndim == 0 else b_scale
-    return scaled_mm(a_data, b_data.t(), a_scale, b_scale.t(), out_dtype, gemm.rowwise, emulate, gemm.fast_accum)
+        a_inv = a_inv.expand(a.data.shape[0], 1) if a_inv.ndim == 0 else a_inv
+        b_inv = b_inv.expand(b.data.shape[0], 1) if b_inv.ndim == 0 else b_inv
+    return scaled_mm(a.data, b.data.t(), a_inv, b_inv.t(), out_dtype, gemm.rowwise, emulate, gemm.fast_accum)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -107,35 +74,29 @@ class _Float8Matmul(torch.autograd.Function):
         health_probe: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.recipe, ctx.emulate = recipe, emulate
-        ctx.fused = fused = casts_compiled_in_eager(x.device.type, eager_casts) and not torch.compiler.is_compiling()
+        # An outer torch.compile traces the plain casts. The backward takes the forward's
+        # choice: torch 2.11 does not report the compiled backward as compiling.
+        ctx.backend = backend = "plain" if torch.compiler.is_compiling() else eager_backend(x.device.type, eager_casts)
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         ctx.x_shape = x_shape = x.shape
-        x = x.reshape(-1, x_shape[-1])
         # Casts keep their input's strides; the GEMM needs x row-major with no row gaps.
-        x = x.contiguous()
-        x_op = _cast(x, recipe.output.lhs, fused)
+        x = x.reshape(-1, x_shape[-1]).contiguous()
+        # x for the weight gradient: its float8 copy (1 byte per element instead of x's 2), in
+        # the layout that GEMM reads or (ctx.x_transposed_later) still to be transposed.
+        x_op, x_gw, ctx.x_transposed_later = operands_both(x, recipe.output.lhs, recipe.grad_weight.rhs, backend)
         ctx.gathered = isinstance(w, Float8GatheredWeight)
         # FSDP may have all-gathered the weight in float8 already, with its scale.
-        w_op = (w._data, w._scale) if ctx.gathered else _cast(w, recipe.output.rhs, fused)
+        w_op = Operand(w._data, w._scale) if ctx.gathered else operand(w, recipe.output.rhs, backend)
         out = _gemm(recipe.output, x_op, w_op, x.dtype, emulate)
-
-        x_cast = recipe.grad_weight.rhs
-        # x for the weight gradient: itself or its forward cast, transposed in backward, or
-        # else cast for that GEMM now, keeping 1 byte per element instead of x's 2.
-        ctx.x_transposed_later = x_cast.dtype is None or _shared(x_cast, recipe.output.lhs)
-        if x_cast.dtype is None:
-            x_gw = (x, None)
-        elif ctx.x_transposed_later:
-            x_gw = x_op
-        else:
-            x_gw = _cast_t(x, x_cast, fused)
-        ctx.w_shared = _shared(recipe.grad_input.rhs, recipe.output.rhs)
+        ctx.w_shared = shared(recipe.grad_input.rhs, recipe.output.rhs)
         # Armed for float8 health (float8/health.py): the forward casts' stats wait for backward,
         # which hands them out with the gradient cast's as the probe's gradient.
         ctx.probed = health_probe is not None
         health = (torch.stack([_stats(x, x_op, recipe.output.lhs), _stats(w, w_op, recipe.output.rhs)]),) \
             if ctx.probed else ()
-        ctx.save_for_backward(*x_gw, w_op[0] if ctx.gathered else w, w_op[1] if ctx.w_shared else None, *health)
+        w_kept = (w_op.data, w_op.scale, w_op.inv) if ctx.gathered else \
+            (w, w_op.scale, w_op.inv) if ctx.w_shared else (w, None, None)
+        ctx.save_for_backward(*x_gw, *w_kept, *health)
         return out.reshape(*x_shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -143,38 +104,36 @@ class _Float8Matmul(torch.autograd.Function):
         # Both gradients always, never ctx.needs_input_grad: torch 2.11's dynamo traces it
         # as all False inside compiled regions (zero gradients), and autograd drops a
         # gradient nobody asked for anyway.
-        recipe, fused, emulate = ctx.recipe, ctx.fused, ctx.emulate
-        x_gw_data, x_gw_scale, w, w_scale, *health = ctx.saved_tensors
+        recipe, backend, emulate = ctx.recipe, ctx.backend, ctx.emulate
+        x_gw_data, x_gw_scale, x_gw_inv, w, w_scale, w_inv, *health = ctx.saved_tensors
         g = g.reshape(-1, g.shape[-1]).contiguous()
-        g_op = _cast(g, recipe.grad_input.lhs, fused)
-        w_cast = recipe.grad_input.rhs
+        g_op, g_gw, g_transposed_later = operands_both(g, recipe.grad_input.lhs, recipe.grad_weight.lhs, backend)
         if ctx.gathered:
-            w_op = _transposed((w, w_scale))
+            w_op = transposed(Operand(w, w_scale, w_inv), backend)
         elif ctx.w_shared:
             # The forward's scale, cast straight into the transposed layout.
-            w_op = cast_tensorwise_t(w, w_scale, w_cast.dtype, fused=fused), w_scale
+            w_op = Operand(cast_t_with_scale(w, w_scale, recipe.grad_input.rhs.dtype, backend), w_scale, w_inv)
         else:
-            w_op = _cast_t(w, w_cast, fused)
+            w_op = operand_t(w, recipe.grad_input.rhs, backend)
         grad_x = _gemm(recipe.grad_input, g_op, w_op, ctx.x_dtype, emulate)
 
-        g_cast = recipe.grad_weight.lhs
-        g_gw = _transposed(g_op) if _shared(g_cast, recipe.grad_input.lhs) else _cast_t(g, g_cast, fused)
-        x_gw = (x_gw_data, x_gw_scale)
+        if g_transposed_later:
+            g_gw = transposed(g_gw, backend)
+        x_gw = Operand(x_gw_data, x_gw_scale, x_gw_inv)
         if ctx.x_transposed_later:
-            x_gw = _transposed(x_gw)
+            x_gw = transposed(x_gw, backend)
         grad_w = _gemm(recipe.grad_weight, *_pad_summed_dim(g_gw, x_gw), ctx.w_dtype, emulate)
         probe_grad = torch.cat([health[0], _stats(g, g_op, recipe.grad_input.lhs)[None]]) if ctx.probed else None
         return grad_x.reshape(ctx.x_shape), grad_w, None, None, None, probe_grad
 
 
-def _stats(hp: torch.Tensor, operand: Operand, cast: Cast) -> torch.Tensor:
+def _stats(hp: torch.Tensor, op: Operand, cast: Cast) -> torch.Tensor:
     """float8/health.py's stats of one operand's cast, from its high-precision values when there are any."""
-    data, scale = operand
-    if scale is None:
-        return no_stats(data.device)
+    if op.scale is None:
+        return no_stats(op.data.device)
     if isinstance(hp, Float8GatheredWeight):
-        return float8_bytes_stats(data, scale)
-    return cast_stats(hp, data, scale)
+        return float8_bytes_stats(op.data, op.scale)
+    return cast_stats(hp, op.data, op.scale)
 
 
 def float8_mm(
@@ -190,7 +149,7 @@ def float8_mm(
         x = x.to(torch.get_autocast_dtype(device_type))
     # No autocast context and no reshapes around apply(): under torch 2.11's dynamo
     # either made the compiled backward return zero gradients.
-    return _Float8Matmul.apply(x, w, config.recipe, config.emulate, config.compile_casts_in_eager, health_probe)
+    return _Float8Matmul.apply(x, w, config.recipe, config.emulate, config.eager_casts, health_probe)
 
 
 def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:

@@ -22,17 +22,6 @@ EPS = 1e-12
 F = TypeVar("F", bound=Callable)
 
 
-EAGER_CAST_MODES = ("cuda", "always", "never")
-
-
-def casts_compiled_in_eager(device_type: str, mode: str) -> bool:
-    """Whether casts on `device_type` outside torch.compile run as compiled kernels (CUDA: Triton).
-
-    mode: "cuda" (on CUDA tensors only), "always" or "never" (Float8Config.compile_casts_in_eager).
-    """
-    return mode == "always" or (mode == "cuda" and device_type == "cuda")
-
-
 def _fused_in_eager(fn: F) -> F:
     """Run `fn` as one compiled kernel set outside torch.compile, when `fused`.
 
@@ -42,7 +31,7 @@ def _fused_in_eager(fn: F) -> F:
     traced and fused with its neighbours instead. Callers in a backward pass pass
     `fused` decided in the forward: torch 2.11 does not report the compiled backward
     as compiling, and calling the compiled casts there yields zero gradients.
-    `fused=None` decides as Float8Config's default ("cuda") does.
+    `fused=None` compiles on CUDA tensors outside torch.compile.
 
     Each cast compiles once per (float8 dtype, input dtype, layout, scale rounding): more
     variants than dynamo's default recompile limit (8 per function) may allow, see
@@ -54,7 +43,7 @@ def _fused_in_eager(fn: F) -> F:
     def wrapper(x: torch.Tensor, *args, fused: bool | None = None):
         nonlocal compiled
         if fused is None:
-            fused = casts_compiled_in_eager(x.device.type, "cuda") and not torch.compiler.is_compiling()
+            fused = x.device.type == "cuda" and not torch.compiler.is_compiling()
         if fused:
             if compiled is None:
                 # dynamic: one kernel set serves every layer shape and token count.

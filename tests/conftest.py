@@ -22,6 +22,15 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", f"torch-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}"
     )
 
+# Without a GPU, Triton kernels (float8/kernels) run in Triton's interpreter on CPU tensors.
+# Triton decides when it decorates, its own library functions too, so this must be set before
+# anything imports triton (torch._dynamo does; `import torch` does not).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture(autouse=True)
 def _single_thread_env(monkeypatch):

@@ -102,3 +102,22 @@ def test_profile_is_read_by_the_trace_summary():
     profile = bench.profile_step(lambda: torch.relu(a @ a), torch.device("cpu"))
     assert set(profile) == {"GEMM", "other elementwise/reduction"}
     assert all(ms > 0 for ms in profile.values())
+
+
+def test_cast_bench_needs_a_gpu_and_times_what_the_linear_runs(monkeypatch, capsys):
+    from float8.recipe import RECIPES
+    from float8.scaling import cast_colwise_t, cast_tensorwise
+    from scripts import bench_float8_casts
+
+    monkeypatch.setattr(sys, "argv", ["bench_float8_casts.py"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_float8_casts.main()
+    assert exit_info.value.code == 2 and capsys.readouterr().err == "error: needs a CUDA GPU\n"
+    # A timed cell ends with the layout the weight-gradient GEMM reads, as the linear makes it.
+    x = torch.randn(48, 32)
+    data_t = bench_float8_casts.both_layouts(x, "tensorwise", "plain")().data
+    data, _ = cast_tensorwise(x, RECIPES["tensorwise"].grad_weight.rhs.dtype, fused=False)
+    assert torch.equal(data_t.view(torch.uint8), data.t().contiguous().view(torch.uint8))
+    data_t = bench_float8_casts.both_layouts(x, "rowwise", "plain")().data
+    assert torch.equal(data_t.view(torch.uint8), cast_colwise_t(x, RECIPES["rowwise"].grad_weight.rhs.dtype, fused=False)[0].view(torch.uint8))

@@ -271,7 +271,7 @@ def test_fsdp_all_gather_weight_trains_like_a_plain_weight():
         ({"filter_fqns": None}, "filter_fqns"),
         ({"min_features": -1}, "min_features"),
         ({"scaling": "rowwise", "fsdp_float8_all_gather": True}, "fsdp_float8_all_gather"),
-        ({"compile_casts_in_eager": "yes"}, "compile_casts_in_eager"),
+        ({"eager_casts": "yes"}, "eager_casts"),
         ({"dynamo_recompile_limit": -1}, "dynamo_recompile_limit"),
     ],
 )
@@ -306,9 +306,9 @@ def test_compiled_matches_eager_fullgraph(scaling):
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_self_compiled_casts_in_eager_match(scaling):
-    # On CUDA, eager-mode casts run as compiled kernels; "always" forces that path on CPU.
-    _, plain = pair(in_f=64, out_f=32, scaling=scaling, compile_casts_in_eager="never")
-    _, fused = pair(in_f=64, out_f=32, scaling=scaling, compile_casts_in_eager="always")
+    # "compiled" runs the eager casts as torch.compile'd kernels, on CPU too.
+    _, plain = pair(in_f=64, out_f=32, scaling=scaling, eager_casts="plain")
+    _, fused = pair(in_f=64, out_f=32, scaling=scaling, eager_casts="compiled")
     x, g = torch.randn(48, 64), torch.randn(48, 32)
     torch._dynamo.reset()
     limit = torch._dynamo.config.recompile_limit

@@ -1,0 +1,215 @@
+"""Triton kernels for the eager float8 casts: amax, scale, inverse scale and both layouts.
+
+A cast of a 2-D (M, K) tensor is two launches after a zeroed amax buffer: `_amax_*` reduces
+|x| (tensorwise: one value; rowwise: per row and/or per column, by atomic max over tiles),
+and `_cast_kernel` reads x once more, computes the scales from the amaxes in its prologue
+(every program, so no launch in between), and writes the float8 values row-major and/or
+transposed; the programs on the first row/column of tiles also write the scales and their
+inverses (what torch._scaled_mm takes). Values are bitwise those of float8/scaling.py's
+reference cast on a GPU; under TRITON_INTERPRET=1 everything but the float8 rounding itself
+is (the interpreter rounds float8 its own way).
+
+Amaxes are reduced as the int32 bits of |x|: for non-negative floats the bit order is the
+value order, NaN above inf, so an integer max is exact, order-independent and keeps a NaN
+the way torch's max does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from float8.scaling import EPS
+
+# Tile of the 2-D kernels, and elements per program of the flat amax.
+BLOCK_M, BLOCK_K, AMAX_BLOCK = 64, 64, 8192
+_TRITON_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+# Kernels read module globals only as constexprs.
+_EPS = tl.constexpr(EPS)
+
+
+@triton.jit
+def _abs_bits(x):
+    return tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _scale(amax_bits, FMAX: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr):
+    """amax_to_scale: FMAX * 1/clamp(amax, EPS) (torch's float / tensor is reciprocal then
+    multiply), rounded down to a power of two if POW2; a NaN amax stays NaN, as in torch.clamp."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    amax = tl.where(amax != amax, amax, tl.maximum(amax, _EPS))
+    scale = tl.math.div_rn(1.0, amax) * FMAX
+    if POW2:
+        # CUDA's log2f/exp2f as torch calls them; the interpreter has no libdevice.
+        if EXACT:
+            scale = libdevice.exp2(libdevice.floor(libdevice.log2(scale)))
+        else:
+            scale = tl.exp2(tl.floor(tl.log2(scale)))
+    return scale
+
+
+@triton.jit
+def _to_float8(x, scale, FMAX: tl.constexpr, DTYPE: tl.constexpr):
+    """cast_with_scale: fp32 multiply, clamp to +-FMAX keeping NaN, round to float8."""
+    y = x * scale
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+    return y.to(DTYPE)
+
+
+@triton.jit
+def _amax_flat_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.atomic_max(amax_ptr, tl.max(_abs_bits(x), axis=0))
+
+
+@triton.jit
+def _amax_2d_kernel(
+    x_ptr, amax_ptr, amax_t_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr
+):
+    """Per-row amaxes into amax[0:M], per-column into amax_t[0:K]."""
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    bits = _abs_bits(tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0))
+    if ROWS:
+        tl.atomic_max(amax_ptr + rm, tl.max(bits, axis=1), mask=rm < M)
+    if COLS:
+        tl.atomic_max(amax_t_ptr + rk, tl.max(bits, axis=0), mask=rk < K)
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, out_ptr, out_t_ptr, amax_ptr, amax_t_ptr, scale_ptr, inv_ptr, scale_t_ptr, inv_t_ptr, M, K,
+    ROWWISE: tl.constexpr, SCALE_GIVEN: tl.constexpr, WRITE: tl.constexpr, WRITE_T: tl.constexpr,
+    DTYPE: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):
+    """x (M, K) -> out (M, K) and/or out_t (K, M). Tensorwise: one scale, given in scale_ptr
+    or from amax[0] (then written to scale_ptr/inv_ptr). Rowwise: out uses per-row scales
+    (from amax[0:M], written to scale/inv), out_t per-column ones (amax_t[0:K], to scale_t/inv_t)."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    rk = pid_k.to(tl.int64) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROWWISE:
+        if WRITE:
+            row_scale = _scale(tl.load(amax_ptr + rm, mask=rm < M, other=0), FMAX, POW2, EXACT)
+            tl.store(out_ptr + rm[:, None] * K + rk[None, :], _to_float8(x, row_scale[:, None], FMAX, DTYPE), mask=mask)
+            if pid_k == 0:
+                tl.store(scale_ptr + rm, row_scale, mask=rm < M)
+                tl.store(inv_ptr + rm, tl.math.div_rn(1.0, row_scale), mask=rm < M)
+        if WRITE_T:
+            col_scale = _scale(tl.load(amax_t_ptr + rk, mask=rk < K, other=0), FMAX, POW2, EXACT)
+            y = tl.trans(_to_float8(x, col_scale[None, :], FMAX, DTYPE))
+            tl.store(out_t_ptr + rk[:, None] * M + rm[None, :], y, mask=tl.trans(mask))
+            if pid_m == 0:
+                tl.store(scale_t_ptr + rk, col_scale, mask=rk < K)
+                tl.store(inv_t_ptr + rk, tl.math.div_rn(1.0, col_scale), mask=rk < K)
+    else:
+        if SCALE_GIVEN:
+            scale = tl.load(scale_ptr)
+        else:
+            scale = _scale(tl.load(amax_ptr), FMAX, POW2, EXACT)
+            if (pid_m == 0) & (pid_k == 0):
+                tl.store(scale_ptr, scale)
+                tl.store(inv_ptr, tl.math.div_rn(1.0, scale))
+        y = _to_float8(x, scale, FMAX, DTYPE)
+        if WRITE:
+            tl.store(out_ptr + rm[:, None] * K + rk[None, :], y, mask=mask)
+        if WRITE_T:
+            tl.store(out_t_ptr + rk[:, None] * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rk = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask)
+    tl.store(out_ptr + rk[:, None] * M + rm[None, :], tl.trans(x), mask=tl.trans(mask))
+
+
+def _check_2d(x: torch.Tensor) -> tuple[int, int]:
+    if x.ndim != 2 or not x.is_contiguous():
+        raise ValueError(f"float8 cast kernels take a contiguous 2-D tensor, got shape {tuple(x.shape)} strides {x.stride()}")
+    return x.shape
+
+
+def _grid(m: int, k: int) -> tuple[int, int]:
+    return triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K)
+
+
+def _aligned_parts(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Tensors of these sizes from one allocation, each starting 16-byte aligned: cuBLAS
+    float8 GEMMs refuse scale pointers that are not (CUBLAS_STATUS_NOT_SUPPORTED)."""
+    padded = [-(-n // 4) * 4 for n in sizes]
+    buffer = torch.empty(sum(padded), dtype=dtype, device=device)
+    offsets = [sum(padded[:i]) for i in range(len(sizes))]
+    return [buffer[o:o + n] for o, n in zip(offsets, sizes)]
+
+
+def _constants(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> dict:
+    return {
+        "DTYPE": _TRITON_DTYPES[float8_dtype], "FMAX": torch.finfo(float8_dtype).max, "POW2": pow2,
+        "EXACT": x.is_cuda, "BM": BLOCK_M, "BK": BLOCK_K,
+    }
+
+
+def cast_tensorwise_layouts(
+    x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = False, *, scale: torch.Tensor | None = None,
+    rowmajor: bool = True, transposed: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """x cast with one scale (its own amax's, or `scale`): (data (M, K) or None, data.T row-major
+    (K, M) or None, 0-dim scale, 0-dim inverse scale or None when the scale was given)."""
+    m, k = _check_2d(x)
+    data = torch.empty(m, k, dtype=float8_dtype, device=x.device) if rowmajor else None
+    data_t = torch.empty(k, m, dtype=float8_dtype, device=x.device) if transposed else None
+    if scale is None:
+        amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+        _amax_flat_kernel[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)
+        scale, inv = (t[0] for t in _aligned_parts([1, 1], torch.float32, x.device))
+    else:
+        amax, inv = None, None
+    _cast_kernel[_grid(m, k)](
+        x, data, data_t, amax, None, scale, inv, None, None, m, k, ROWWISE=False, SCALE_GIVEN=amax is None,
+        WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
+    )
+    return data, data_t, scale, inv
+
+
+def cast_rowwise_layouts(
+    x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True, *, rowmajor: bool = True, transposed: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None, torch.Tensor | None]:
+    """x cast with one scale per row (amax over K) row-major and/or one per column (amax over M)
+    transposed: (data, data_t, row scales (M, 1), their inverses, column scales (K, 1), their
+    inverses), None for a layout not asked for."""
+    m, k = _check_2d(x)
+    amax, amax_t = torch.zeros(m + k, dtype=torch.int32, device=x.device).split([m, k])
+    _amax_2d_kernel[_grid(m, k)](x, amax, amax_t, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
+    row_scale, row_inv, col_scale, col_inv = (t[:, None] for t in _aligned_parts([m, m, k, k], torch.float32, x.device))
+    data = torch.empty(m, k, dtype=float8_dtype, device=x.device) if rowmajor else None
+    data_t = torch.empty(k, m, dtype=float8_dtype, device=x.device) if transposed else None
+    _cast_kernel[_grid(m, k)](
+        x, data, data_t, amax, amax_t, row_scale, row_inv, col_scale, col_inv, m, k, ROWWISE=True,
+        SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
+    )
+    if not rowmajor:
+        row_scale = row_inv = None
+    if not transposed:
+        col_scale = col_inv = None
+    return data, data_t, row_scale, row_inv, col_scale, col_inv
+
+
+def transpose(data: torch.Tensor) -> torch.Tensor:
+    """data.t().contiguous() of a 2-D float8 (or any 1-byte) tensor, at copy bandwidth."""
+    m, k = _check_2d(data)
+    out = torch.empty(k, m, dtype=data.dtype, device=data.device)
+    if data.numel():
+        _transpose_kernel[_grid(m, k)](data.view(torch.uint8), out.view(torch.uint8), m, k, BM=BLOCK_M, BK=BLOCK_K)
+    return out

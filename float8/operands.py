@@ -1,0 +1,172 @@
+"""The float8 matmul's GEMM operands: a tensor cast as a recipe's `Cast` says, by one of three
+eager cast backends.
+
+    "triton"    float8/kernels: one read of the tensor writes both layouts a linear needs, the
+                scale and its inverse come from the cast's own kernels (CUDA; on a CPU only
+                under TRITON_INTERPRET=1, for tests)
+    "compiled"  float8/scaling.py's casts, each compiled into a fused kernel by torch.compile
+    "plain"     the same casts as eager PyTorch ops; also what an outer torch.compile traces
+
+"triton" and "plain" give the same bytes (float8/kernels/cast.py says how exactly); "compiled"
+can round a scale 1 ulp off theirs (inductor's division), so its bytes differ now and then.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import NamedTuple
+
+import torch
+
+from float8.recipe import Cast
+from float8.scaling import (
+    cast_colwise_t,
+    cast_rowwise,
+    cast_tensorwise,
+    cast_tensorwise_t,
+    cast_with_scale,
+)
+
+# Float8Config.eager_casts: "auto" is triton on CUDA where Triton imports (and converts to float8:
+# compute capability 8.9+), else compiled on CUDA and plain elsewhere.
+EAGER_CASTS = ("auto", "triton", "compiled", "plain")
+
+
+class Operand(NamedTuple):
+    """A GEMM operand: data with the summed dim last and row-major; scale None for a
+    high-precision operand, 0-dim for one per tensor, (rows, 1) for one per row; inv the
+    scale's inverse where the cast computed it (torch._scaled_mm takes inverses)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    inv: torch.Tensor | None = None
+
+
+def _triton_runs_on(device_type: str) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device_type == "cuda":
+        # Triton converts to float8 on compute capability 8.9+ only (emulate=True runs elsewhere).
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def eager_backend(device_type: str, mode: str) -> str:
+    """The backend that runs casts outside torch.compile for `Float8Config.eager_casts` = mode."""
+    if mode == "auto":
+        if device_type == "cuda":
+            return "triton" if _triton_runs_on("cuda") else "compiled"
+        return "plain"
+    if mode == "triton" and not _triton_runs_on(device_type):
+        raise ValueError(
+            f"eager_casts='triton' needs Triton and a CUDA device of compute capability 8.9+ (or TRITON_INTERPRET=1), "
+            f"got {device_type}"
+        )
+    return mode
+
+
+def _kernels():
+    from float8.kernels import cast
+
+    return cast
+
+
+def _uses_kernels(t: torch.Tensor, backend: str) -> bool:
+    # Empty tensors (an FSDP shard with no rows) take the reference path: no zero-size grids.
+    return backend == "triton" and t.ndim == 2 and t.is_contiguous() and t.numel() > 0
+
+
+def operand(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
+    """A 2-D `t` whose last dim the GEMM sums over, cast for it."""
+    if spec.dtype is None:
+        return Operand(t)
+    if _uses_kernels(t, backend):
+        kernels = _kernels()
+        if spec.amax_over is None:
+            data, _, scale, inv = kernels.cast_tensorwise_layouts(t, spec.dtype, spec.pow2)
+            return Operand(data, scale, inv)
+        data, _, scale, inv, _, _ = kernels.cast_rowwise_layouts(t, spec.dtype, spec.pow2)
+        return Operand(data, scale, inv)
+    fused = backend == "compiled"
+    if spec.amax_over is None:
+        return Operand(*cast_tensorwise(t, spec.dtype, spec.pow2, fused=fused))
+    return Operand(*cast_rowwise(t, -1, spec.dtype, spec.pow2, fused=fused))
+
+
+def operand_t(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
+    """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout."""
+    if spec.dtype is None:
+        return Operand(t.t())
+    if _uses_kernels(t, backend):
+        kernels = _kernels()
+        if spec.amax_over is None:
+            _, data_t, scale, inv = kernels.cast_tensorwise_layouts(t, spec.dtype, spec.pow2, rowmajor=False, transposed=True)
+            return Operand(data_t, scale, inv)
+        _, data_t, _, _, scale, inv = kernels.cast_rowwise_layouts(t, spec.dtype, spec.pow2, rowmajor=False, transposed=True)
+        return Operand(data_t, scale, inv)
+    fused = backend == "compiled"
+    if spec.amax_over is None:
+        data, scale = cast_tensorwise(t, spec.dtype, spec.pow2, fused=fused)
+        return Operand(data.t().contiguous(), scale)
+    return Operand(*cast_colwise_t(t, spec.dtype, spec.pow2, fused=fused))
+
+
+def shared(spec: Cast, other: Cast) -> bool:
+    """Whether a tensor is cast the same, per tensor, for both of its GEMMs: one cast (one
+    scale) then serves both layouts."""
+    return spec == other and spec.dtype is not None and spec.amax_over is None
+
+
+def operands_both(t: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str) -> tuple[Operand, Operand, bool]:
+    """`t` cast for a GEMM summing its last dim and `t.T` for one summing its first: (operand,
+    operand of the transpose, whether the latter is still to be `transposed`).
+
+    The kernels write both layouts from one read when both casts are float8 of one kind.
+    Otherwise one per-tensor cast serves both and the transposed copy waits for the caller
+    (a backward, when it needs it); else each is cast on its own.
+    """
+    if _uses_kernels(t, backend) and row_cast.dtype is not None and t_cast.dtype is not None:
+        kernels = _kernels()
+        if shared(row_cast, t_cast):
+            data, data_t, scale, inv = kernels.cast_tensorwise_layouts(t, row_cast.dtype, row_cast.pow2, transposed=True)
+            return Operand(data, scale, inv), Operand(data_t, scale, inv), False
+        if row_cast.amax_over is not None and t_cast.amax_over is not None and row_cast.dtype == t_cast.dtype \
+                and row_cast.pow2 == t_cast.pow2:
+            data, data_t, scale, inv, scale_t, inv_t = kernels.cast_rowwise_layouts(
+                t, row_cast.dtype, row_cast.pow2, transposed=True)
+            return Operand(data, scale, inv), Operand(data_t, scale_t, inv_t), False
+    rows = operand(t, row_cast, backend)
+    if t_cast.dtype is None:
+        return rows, Operand(t), True
+    if shared(t_cast, row_cast):
+        return rows, rows, True
+    return rows, operand_t(t, t_cast, backend), False
+
+
+def transposed(op: Operand, backend: str) -> Operand:
+    """One GEMM's operand reused by another that sums over its other dim: a per-tensor scale
+    (or none) serves both, so only the layout changes."""
+    data, scale, inv = op
+    if scale is None:
+        return Operand(data.t())
+    if _uses_kernels(data, backend):
+        return Operand(_kernels().transpose(data), scale, inv)
+    return Operand(data.t().contiguous(), scale, inv)
+
+
+def cast_t_with_scale(t: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """`t.T`, row-major, cast with a known per-tensor scale."""
+    if _uses_kernels(t, backend):
+        return _kernels().cast_tensorwise_layouts(t, float8_dtype, scale=scale, rowmajor=False, transposed=True)[1]
+    return cast_tensorwise_t(t, scale, float8_dtype, fused=backend == "compiled")
+
+
+def cast_weight_with_scale(t: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """A weight (shard) cast with its known scale, outside any compile (FSDP's pre-all-gather):
+    one kernel on CUDA where Triton imports, eager ops elsewhere."""
+    if _uses_kernels(t, eager_backend(t.device.type, "auto")):
+        return _kernels().cast_tensorwise_layouts(t, float8_dtype, scale=scale)[0]
+    return cast_with_scale(t, scale, float8_dtype)

@@ -1,0 +1,100 @@
+"""Time the eager float8 casts one linear needs, per cast backend (float8/operands.py), on a GPU.
+
+For LLaMA-2-7B shapes at 8,192 tokens: an activation or gradient cast into both layouts its
+two GEMMs read (tensorwise and rowwise), a weight cast with a known scale (FSDP's float8
+all-gather), and a float8 transpose. Prints ms and effective bandwidth (bytes the cast must
+move at least: one read of the input, each output written once) per backend; writes JSON (an
+earlier file there moves to previous-N/ beside it first).
+
+    python scripts/bench_float8_casts.py --out bench_float8_casts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from float8.operands import Operand, cast_weight_with_scale, operands_both, transposed  # noqa: E402
+from float8.recipe import RECIPES  # noqa: E402
+from float8.scaling import E4M3, cast_with_scale  # noqa: E402
+from scripts.bench_float8 import Timer  # noqa: E402
+from scripts.cells import keep_earlier_results  # noqa: E402
+
+BACKENDS = ("triton", "compiled", "plain")
+TOKENS = 8192
+ACTIVATIONS = [(TOKENS, 4096), (TOKENS, 11008)]
+WEIGHTS = [(4096, 4096), (11008, 4096)]
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median CUDA-event time of `fn`, 20 runs after 3 warm-up runs."""
+    return statistics.median(Timer(torch.device("cuda")).time(fn, lambda: None, warmup=3, iters=20))
+
+
+def both_layouts(x: torch.Tensor, scaling: str, backend: str) -> Callable[[], object]:
+    recipe = RECIPES[scaling]
+    rows, cols = recipe.output.lhs, recipe.grad_weight.rhs
+
+    def cast():
+        _, op_t, later = operands_both(x, rows, cols, backend)
+        return transposed(op_t, backend) if later else op_t
+
+    return cast
+
+
+def cells(backends: list[str]) -> list[tuple[str, str, Callable[[], object], int]]:
+    """(what, backend, the cast, bytes it moves at least)."""
+    out = []
+    for m, k in ACTIVATIONS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for scaling in ("tensorwise", "rowwise"):
+            out += [(f"{scaling} both layouts bf16 {m}x{k}", b, both_layouts(x, scaling, b), 4 * m * k) for b in backends]
+    for n, k in WEIGHTS:
+        w = torch.randn(n, k, device="cuda")
+        scale = torch.tensor(448.0, device="cuda") / w.abs().max()
+        out.append((f"weight cast fp32 {n}x{k}", "triton", lambda w=w, s=scale: cast_weight_with_scale(w, s, E4M3), 5 * n * k))
+        out.append((f"weight cast fp32 {n}x{k}", "plain", lambda w=w, s=scale: cast_with_scale(w, s, E4M3), 5 * n * k))
+        data = w.to(E4M3)
+        out += [(f"float8 transpose {n}x{k}", b, lambda d=data, b=b: transposed(Operand(d, torch.ones((), device="cuda")), b), 2 * n * k)
+                for b in ("triton", "plain")]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench_float8_casts.json")
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    out = Path(opts.out)
+    keep_earlier_results(out.parent, [out.name])
+    rows = []
+    for what, backend, fn, nbytes in cells(list(BACKENDS)):
+        ms = time_ms(fn)
+        rows.append({"cast": what, "backend": backend, "ms": ms, "gb_per_s": nbytes / ms / 1e6})
+        print(f"  {what:40} {backend:9} {ms:8.3f} ms {rows[-1]['gb_per_s']:7.0f} GB/s", flush=True)
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "results": rows}
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {opts.out} ({result['device']}, torch {torch.__version__})")
+    print(f"{'cast':40} " + " ".join(f"{b:>16}" for b in BACKENDS))
+    for what in dict.fromkeys(r["cast"] for r in rows):
+        by = {r["backend"]: r for r in rows if r["cast"] == what}
+        print(f"{what:40} " + " ".join(
+            f"{by[b]['ms']:7.3f} {by[b]['gb_per_s']:5.0f}GB/s" if b in by else f"{'-':>16}" for b in BACKENDS))
+
+
+if __name__ == "__main__":
+    main()
