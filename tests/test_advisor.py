@@ -74,6 +74,20 @@ def test_float8_without_compile():
         assert not [n for n in advise(cfg, CPU) if "compile.mode" in n]
 
 
+def test_float8_without_compile_with_the_triton_casts(monkeypatch):
+    """Where the eager casts are float8/kernels (CUDA with Triton), eager float8 is no longer
+    called slow: the note says it beats eager bf16 and where that was measured."""
+    import trainer.float8_training as seam
+
+    monkeypatch.setattr(seam, "eager_backend", lambda device_type, mode: "triton")
+    cfg = _cfg()
+    cfg.compile.mode = "none"
+    note = _only(advise(cfg, CPU), "compile.mode = 'none'")
+    assert "beats eager bf16" in note and "gains little" not in note and "set compile.mode = 'block'" in note
+    table = re.search(r"docs/benchmarks.md, table '([^']+)'", note).group(1)
+    assert f"## {table}" in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
 def test_emulate():
     note = _only(advise(_cfg(emulate=True), CPU), "float8.emulate = true")
     assert "testing only" in note

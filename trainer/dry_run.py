@@ -34,7 +34,8 @@ def print_plan(cfg: Config) -> None:
     dp, tp = check_layout(cfg, world, args.n_heads, args.n_kv_heads)
     model = build_meta_model(args)
     float8 = Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device.type, params.dtype))
-    report = float8.convert(model)
+    # The dry run never times linears (filter = "auto"): it lists the ones the run would time.
+    report = float8.convert(model, time_linears=False)
     without_embedding = num_params(model, exclude_embedding=True)
     facts = RunFacts.for_run(
         cfg, world, dp, tp, params.dtype, num_params(model),
@@ -64,6 +65,8 @@ def print_plan(cfg: Config) -> None:
         lines.append(f"  validation        {v.path}: {v.steps} batches every {v.freq} steps and at step {t.steps}")
     if report is not None:
         lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
+    if float8.filter_note:
+        lines.append(f"  float8 filter     {float8.filter_note}")
     notes = float8.advice(device, dp, tp)
     # On a host without a GPU, a plan left on training.device = 'auto' is likely meant for a GPU
     # machine: one that cannot fit this host is a warning; a plan for this device is refused.

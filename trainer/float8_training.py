@@ -5,7 +5,7 @@
 doing nothing, so the trainer calls them unconditionally. Build order (docs/design.md):
 `convert` on the meta model, `advice` before any weight is allocated, `tp_styles` for
 `parallelize_llama`, and `post_optimizer_step` after every applied optimizer step. Every
-float8 rule of the trainer lives here: the TP style choice and the startup advice.
+float8 rule of the trainer lives here: the TP style choice, `filter = "auto"` and the startup advice.
 """
 
 from __future__ import annotations
@@ -17,16 +17,20 @@ import torch
 from torch import nn
 
 from float8 import (
+    AutoFilter,
     Float8Config,
     Float8ConversionReport,
     convert_to_float8_training,
+    linear_shapes,
     precompute_float8_scales_for_fsdp,
     raise_dynamo_recompile_limit,
+    time_linear_shapes,
 )
+from float8.autofilter import AUTO_REASON_PREFIX, Timer, describe_shapes
 from float8.gemm import scaled_mm_supported
 from float8.health import Float8HealthMonitor, HealthReport
+from float8.operands import eager_backend
 from float8.recipe import RECIPES
-from float8.scaling import casts_compiled_in_eager
 from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from trainer.config import Config, Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES, TPStyles
@@ -128,11 +132,7 @@ def advise(
     if f8.emulate:
         notes.append("float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only")
     if run.compile_mode == "none":
-        notes.append(
-            "float8.enabled with compile.mode = 'none': eager float8 runs its casts as separate kernels and "
-            "gains little or nothing over bf16 (docs/benchmarks.md, table 'Full LLaMA-2-7B, FSDP2 on 2 H200s'); "
-            "set compile.mode = 'block'"
-        )
+        notes.append(_eager_note(eager_backend(device.type, float8_config(f8).eager_casts)))
     tokens = run.micro_batch_tokens // max(tp_degree, 1)
     if device.type == "cuda" and tokens < MIN_FLOAT8_TOKENS:
         notes.append(
@@ -150,7 +150,11 @@ def advise(
             "float8.fsdp_float8_all_gather = true to halve that traffic"
         )
     skipped = getattr(float8_report, "skipped", None) or []
-    not_filtered = [(fqn, why) for fqn, why in skipped if not any(s in fqn for s in f8.filter_fqns)]
+    # What filter = "auto" keeps is no surprise: the summary lists it with its timings.
+    not_filtered = [
+        (fqn, why) for fqn, why in skipped
+        if not any(s in fqn for s in f8.filter_fqns) and not why.startswith(AUTO_REASON_PREFIX)
+    ]
     if not_filtered:
         notes.append(
             f"{len(not_filtered)} linear layers stay in high precision: "
@@ -171,6 +175,17 @@ def advise(
     return notes
 
 
+def _eager_note(eager_casts: str) -> str:
+    """What compile.mode = 'none' costs a float8 run whose casts run on the `eager_casts` backend."""
+    if eager_casts == "triton":
+        return ("float8.enabled with compile.mode = 'none': eager float8 with the Triton cast kernels beats eager "
+                "bf16, and compiled blocks are faster still (docs/benchmarks.md, table 'Eager float8 with Triton "
+                "cast kernels, one H200'); set compile.mode = 'block' for the full speed-up")
+    return ("float8.enabled with compile.mode = 'none': without Triton (float8/kernels) eager float8 runs its casts "
+            "as separate kernels and gains little or nothing over bf16 (docs/benchmarks.md, table 'Full LLaMA-2-7B, "
+            "FSDP2 on 2 H200s'); set compile.mode = 'block'")
+
+
 def _first_four(names: list[str]) -> str:
     more = f" and {len(names) - 4} more" if len(names) > 4 else ""
     return ", ".join(names[:4]) + more
@@ -179,37 +194,76 @@ def _first_four(names: list[str]) -> str:
 class Float8Training:
     """Float8 training of a run's linears, as `[float8]` and the rest of the config ask."""
 
-    def __init__(self, f8: Float8TrainingConfig, config: Float8Config, run: Float8RunContext) -> None:
+    def __init__(
+        self, f8: Float8TrainingConfig, config: Float8Config, run: Float8RunContext, timer: Timer | None = None
+    ) -> None:
         self.f8 = f8
         self.config = config
         self.run = run
+        # How filter = "auto" times a linear shape: float8.autofilter.time_linear_shape unless a test stubs it.
+        self.timer = timer
         self.recipe_name: str | None = config.scaling
         self.report: Float8ConversionReport | None = None
+        # What filter = "auto" timed and decided, or why it did not time ("auto: ..."); None with "rules".
+        self.filter_note: str | None = None
         self._notes: list[str] = []
         self._health: Float8HealthMonitor | None = None
 
     @staticmethod
-    def from_config(f8: Float8TrainingConfig, run: Float8RunContext) -> Float8Training | NoFloat8Training:
+    def from_config(
+        f8: Float8TrainingConfig, run: Float8RunContext, timer: Timer | None = None
+    ) -> Float8Training | NoFloat8Training:
         if not f8.enabled:
             return NoFloat8Training()
-        return Float8Training(f8, float8_config(f8), run)
+        return Float8Training(f8, float8_config(f8), run, timer)
 
-    def convert(self, model: nn.Module) -> Float8ConversionReport:
+    def convert(self, model: nn.Module, time_linears: bool = True) -> Float8ConversionReport:
         """Swap eligible linears for float8 ones, on the meta model before any parallelism.
 
-        Where the casts run as compiled kernels outside torch.compile (CUDA by default), this
-        also raises dynamo's process-wide recompile limit to `dynamo_recompile_limit`: the
-        package never changes it on its own. `summary_lines` says when it did.
+        Where the casts run as torch.compile'd kernels outside torch.compile, this
+        first raises dynamo's process-wide recompile limit to `dynamo_recompile_limit` (the
+        package never changes it on its own; `summary_lines` says when it did). With
+        `filter = "auto"` on CUDA it then times the linears' shapes (every rank, the same
+        decision on all) and converts those float8 runs faster; on CPU, or with
+        `time_linears=False` (the dry run), it converts what the rules convert.
         """
-        self.report = convert_to_float8_training(model, config=self.config)
-        if casts_compiled_in_eager(self.run.device_type, self.config.compile_casts_in_eager):
+        if eager_backend(self.run.device_type, self.config.eager_casts) == "compiled":
             raised = raise_dynamo_recompile_limit(self.config.dynamo_recompile_limit)
             if raised:
                 self._notes.append(
                     f"torch._dynamo.config.recompile_limit raised from {raised[0]} to {raised[1]} "
                     "for the compiled eager float8 casts"
                 )
+        auto = self._auto_filter(model, time_linears) if self.f8.filter == "auto" else None
+        self.report = convert_to_float8_training(model, config=self.config, module_filter_fn=auto)
         return self.report
+
+    def _auto_filter(self, model: nn.Module, time_linears: bool) -> AutoFilter | None:
+        """filter = "auto": the filter from timings on this rank's GPU, or None (the rules decide)
+        where it cannot or must not time; `filter_note` says which."""
+        run = self.run
+        if run.device_type != "cuda" and time_linears:
+            self.filter_note = (
+                f"auto: auto-timing needs a GPU, so this {run.device_type} run converts what filter = 'rules' converts"
+            )
+            return None
+        shapes = linear_shapes(model, self.config)
+        tokens, compiled = run.micro_batch_tokens, run.compile_mode != "none"
+        timed = (f"{len(set(shapes.values()))} linear shapes at {tokens:,} tokens per micro-batch, "
+                 + ("compiled" if compiled else "eager"))
+        if not time_linears:
+            cannot = " (and cannot without a GPU)" if run.device_type != "cuda" else ""
+            self.filter_note = (
+                f"auto: at start-up would time {timed}: {describe_shapes(shapes)}; the dry run never "
+                f"times{cannot}: the linears above are what filter = 'rules' converts"
+            )
+            return None
+        device = torch.device("cuda")  # this rank's current device, which init_distributed set
+        # A GPU without float8 GEMMs fails in the timing: refuse it first, as `advice` would.
+        refuse_unrunnable(self.f8, device)
+        timings = time_linear_shapes(shapes.values(), tokens, self.config, compiled, device, self.timer)
+        self.filter_note = f"auto timed {timed}: {describe_shapes(shapes, timings)}"
+        return AutoFilter(timings, tokens)
 
     def _wants_float8_tp(self) -> bool:
         """A recipe whose activation casts the float8 TP gathers reproduce, and
@@ -256,7 +310,8 @@ class Float8Training:
         return f"float8 {self.recipe_name}, {params}"
 
     def summary_lines(self) -> list[str]:
-        return [f"float8: {self.report}", *(f"float8: {note}" for note in self._notes)]
+        notes = [f"filter {self.filter_note}", *self._notes] if self.filter_note else self._notes
+        return [f"float8: {self.report}", *(f"float8: {note}" for note in notes)]
 
 
 class NoFloat8Training:
@@ -264,8 +319,9 @@ class NoFloat8Training:
 
     recipe_name: str | None = None
     report: Float8ConversionReport | None = None
+    filter_note: str | None = None
 
-    def convert(self, model: nn.Module) -> None:
+    def convert(self, model: nn.Module, time_linears: bool = True) -> None:
         return None
 
     def tp_styles(self) -> TPStyles:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 ModelFlavor = Literal["debug", "7B", "13B", "70B"]
 AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
+Float8Filter = Literal["rules", "auto"]
 CompileMode = Literal["none", "block", "model"]
 ActivationCheckpointMode = Literal["none", "full", "selective"]
 ParamDtype = Literal["auto", "bfloat16", "float32"]
@@ -98,6 +99,14 @@ class Float8TrainingConfig:
     fsdp_float8_all_gather: bool = _opt(False, "All-gather weights in float8 under FSDP (tensorwise only); halves weight traffic.")
     filter_fqns: list[str] = _opt(["output"], "Module names to keep in high precision (substring match).")
     min_features: int = _opt(0, "Skip linears whose in or out features are below this (too small to gain from float8).")
+    # Trainer-only, not a Float8Config field: "auto" times linears on the run's device at its tokens
+    # per micro-batch and compile mode, which only the trainer knows (the seam passes them to float8.autofilter).
+    filter: Float8Filter = _opt(
+        "rules",
+        "Which linears to convert: rules = every one that filter_fqns, min_features and the 16-alignment allow; "
+        "auto = of those, only the shapes whose float8 forward + backward, timed at start-up on the GPU at "
+        "the run's tokens per micro-batch (eager or compiled as compile.mode), beats bf16 (on CPU: as rules).",
+    )
 
 
 @_section
