@@ -79,17 +79,26 @@ def _uses_kernels(t: torch.Tensor, backend: str) -> bool:
     return backend == "triton" and t.ndim == 2 and t.is_contiguous() and t.numel() > 0
 
 
+def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bool) -> tuple[Operand | None, Operand | None]:
+    """`t` cast by the kernels as `spec` says, row-major and/or transposed (None where not asked):
+    per tensor one scale serves both; per row, the transposed layout takes per-column scales."""
+    kernels = _kernels()
+    if spec.amax_over is None:
+        data, data_t, scale, inv = kernels.cast_tensorwise_layouts(
+            t, spec.dtype, spec.pow2, rowmajor=rowmajor, transposed=transposed)
+        scale_t, inv_t = scale, inv
+    else:
+        data, data_t, scale, inv, scale_t, inv_t = kernels.cast_rowwise_layouts(
+            t, spec.dtype, spec.pow2, rowmajor=rowmajor, transposed=transposed)
+    return (Operand(data, scale, inv) if rowmajor else None), (Operand(data_t, scale_t, inv_t) if transposed else None)
+
+
 def operand(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
     """A 2-D `t` whose last dim the GEMM sums over, cast for it."""
     if spec.dtype is None:
         return Operand(t)
     if _uses_kernels(t, backend):
-        kernels = _kernels()
-        if spec.amax_over is None:
-            data, _, scale, inv = kernels.cast_tensorwise_layouts(t, spec.dtype, spec.pow2)
-            return Operand(data, scale, inv)
-        data, _, scale, inv, _, _ = kernels.cast_rowwise_layouts(t, spec.dtype, spec.pow2)
-        return Operand(data, scale, inv)
+        return _kernel_operands(t, spec, rowmajor=True, transposed=False)[0]
     fused = backend == "compiled"
     if spec.amax_over is None:
         return Operand(*cast_tensorwise(t, spec.dtype, spec.pow2, fused=fused))
@@ -101,12 +110,7 @@ def operand_t(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
     if spec.dtype is None:
         return Operand(t.t())
     if _uses_kernels(t, backend):
-        kernels = _kernels()
-        if spec.amax_over is None:
-            _, data_t, scale, inv = kernels.cast_tensorwise_layouts(t, spec.dtype, spec.pow2, rowmajor=False, transposed=True)
-            return Operand(data_t, scale, inv)
-        _, data_t, _, _, scale, inv = kernels.cast_rowwise_layouts(t, spec.dtype, spec.pow2, rowmajor=False, transposed=True)
-        return Operand(data_t, scale, inv)
+        return _kernel_operands(t, spec, rowmajor=False, transposed=True)[1]
     fused = backend == "compiled"
     if spec.amax_over is None:
         data, scale = cast_tensorwise(t, spec.dtype, spec.pow2, fused=fused)
@@ -120,6 +124,13 @@ def shared(spec: Cast, other: Cast) -> bool:
     return spec == other and spec.dtype is not None and spec.amax_over is None
 
 
+def _one_kernel_pass(row_cast: Cast, t_cast: Cast) -> bool:
+    """Whether the kernels cast for both GEMMs from one read: both float8 of one dtype and scale
+    rounding, and both per tensor (then one scale) or both per row (along each GEMM's summed dim)."""
+    return (row_cast.dtype is not None and (row_cast.dtype, row_cast.pow2) == (t_cast.dtype, t_cast.pow2)
+            and (row_cast.amax_over is None) == (t_cast.amax_over is None))
+
+
 def operands_both(t: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str) -> tuple[Operand, Operand, bool]:
     """`t` cast for a GEMM summing its last dim and `t.T` for one summing its first: (operand,
     operand of the transpose, whether the latter is still to be `transposed`).
@@ -128,16 +139,9 @@ def operands_both(t: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str) -
     Otherwise one per-tensor cast serves both and the transposed copy waits for the caller
     (a backward, when it needs it); else each is cast on its own.
     """
-    if _uses_kernels(t, backend) and row_cast.dtype is not None and t_cast.dtype is not None:
-        kernels = _kernels()
-        if shared(row_cast, t_cast):
-            data, data_t, scale, inv = kernels.cast_tensorwise_layouts(t, row_cast.dtype, row_cast.pow2, transposed=True)
-            return Operand(data, scale, inv), Operand(data_t, scale, inv), False
-        if row_cast.amax_over is not None and t_cast.amax_over is not None and row_cast.dtype == t_cast.dtype \
-                and row_cast.pow2 == t_cast.pow2:
-            data, data_t, scale, inv, scale_t, inv_t = kernels.cast_rowwise_layouts(
-                t, row_cast.dtype, row_cast.pow2, transposed=True)
-            return Operand(data, scale, inv), Operand(data_t, scale_t, inv_t), False
+    if _uses_kernels(t, backend) and _one_kernel_pass(row_cast, t_cast):
+        rows, cols = _kernel_operands(t, row_cast, rowmajor=True, transposed=True)
+        return rows, cols, False
     rows = operand(t, row_cast, backend)
     if t_cast.dtype is None:
         return rows, Operand(t), True
