@@ -9,13 +9,21 @@ Reads Chrome traces as trainer/metrics/profiling.py writes them (`--profiling.en
 and by the CPU ops that launched it (the kernel's `correlation` / `External id` lead to
 the launch on its CPU thread, and that thread's enclosing ops give the context):
 
-    GEMM          cuBLAS/CUTLASS/nvjet/Triton-template GEMMs, float8 `_scaled_mm`
+    GEMM          cuBLAS/CUTLASS/nvjet/Triton-template (`triton_tem_*mm`) GEMMs, float8
+                  `_scaled_mm`; never Inductor's pointwise/reduction kernels (triton_poi/red/per),
+                  which are named after all the ops they fuse, `_scaled_mm` too
     attention     flash / efficient / cuDNN / flex attention, anything under SDPA
     float8 casts  float8 conversion and transposes, abs/amax reductions, scale math:
                   kernels under the float8 matmul's autograd function (ours and torchao's),
-                  eager abs/amax/max, ops on float8 tensors, and fused Triton kernels whose
-                  ops include abs, amax, reciprocal or clamp + to_copy
+                  eager abs/amax/max, ops on float8 tensors, fused Triton kernels whose ops
+                  include abs, amax, reciprocal or clamp + to_copy, and the float8 weight
+                  casts (mul, clamp, abs/max, cast to float8) that FSDP's pre-all-gather
+                  launches under FSDP::pre_forward / pre_backward / all_gather(_copy_in),
+                  and the float8 weights' amaxes (a `_foreach_norm` of order inf)
     optimizer     kernels launched under Optimizer.step, foreach and fused-Adam kernels
+    FSDP copies   all else FSDP launches itself (under its FSDP:: annotations and fsdp:: ops),
+                  kernels and memcpys: all-gather copy-in and copy-out, the bf16 param and
+                  input casts, the reduce-scatter's chunk_cat copy-in and its copy-out
     NCCL          collectives; "not overlapped" is NCCL time with no other kernel running
 
 plus the rest (other elementwise/reduction, memcpy/memset), the step's wall time (first
@@ -41,6 +49,7 @@ CLASSES = {
     "elementwise": "other elementwise/reduction",
     "optimizer": "optimizer",
     "memcpy": "memcpy/memset",
+    "fsdp": "FSDP copies",
     "nccl": "NCCL",
 }
 GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memcpy"}
@@ -50,11 +59,21 @@ _NCCL_KERNEL = re.compile(r"nccl", re.I)
 _COLLECTIVE_OP = re.compile(r"^(?:c10d::|nccl:|gloo:)|record_param_comms", re.I)
 _ATTENTION = re.compile(r"flash|fmha|attention|attn|sdpa|flex", re.I)
 _GEMM_KERNEL = re.compile(r"gemm|cutlass|cublas|nvjet|xmma|scaled_mm|matmul|triton_tem_fused_\w*mm", re.I)
+_INDUCTOR_FUSED = re.compile(r"^triton_(?:poi|red|per)_")
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
              "aten::_scaled_mm", "aten::_grouped_mm"}
 _FLOAT8_NAME = re.compile(r"float8|fp8|e4m3|e5m2", re.I)
 # Ops of a float8 cast that nothing else in a LLaMA step launches (reciprocal is the loss's too).
 _FLOAT8_OPS = {"aten::abs", "aten::amax", "aten::max"}
+# FSDP2's record_function annotations (FSDP::pre_forward (layers.3)) and custom ops
+# (fsdp::chunk_cat): FSDP's own work, launched outside the model's ops.
+_FSDP = re.compile(r"^(?:FSDP|fsdp)::")
+# Where FSDP calls fsdp_pre_all_gather, which casts float8 weights: on one GPU in pre_forward /
+# pre_backward, on more in all_gather (all_gather_copy_in in newer torch). The fsdp:: ops
+# inside, the copy-out and the reduce side only move data, float8 bytes included.
+_FSDP_UNSHARD = re.compile(r"^FSDP::(?:pre_forward|pre_backward|all_gather|all_gather_copy_in)(?: \(|$)")
+# FSDP's unshard itself only copies: scale math there is a float8 weight cast.
+_FSDP_CAST_OPS = _FLOAT8_OPS | {"aten::mul", "aten::clamp", "aten::reciprocal"}
 _OPTIMIZER = re.compile(r"optimizer\.(?:step|zero_grad)|_foreach_|fused_adam|multi_tensor_apply|adam", re.I)
 
 
@@ -143,31 +162,74 @@ def _inductor_float8(name: str) -> bool:
     return bool(ops & {"abs", "amax", "reciprocal"}) or {"to", "copy", "clamp"} <= ops
 
 
+def _gemm(kernel: str | None, names: list[str]) -> bool:
+    # Inductor names these after every op they fuse, the _scaled_mm their casts feed included.
+    if kernel and _INDUCTOR_FUSED.match(kernel):
+        return False
+    return bool(kernel and _GEMM_KERNEL.search(kernel)) or any(n in _GEMM_OPS for n in names)
+
+
+def _float8_cast(kernel: str | None, chain: list[dict[str, Any]], ops: set[str]) -> bool:
+    """By the kernel's name, the names around its launch, or the op that launched it."""
+    if kernel and (_FLOAT8_NAME.search(kernel) or _inductor_float8(kernel)):
+        return True
+    if any(_FLOAT8_NAME.search(e.get("name", "")) for e in chain):
+        return True
+    launch_op = next((e for e in chain if e.get("cat") == "cpu_op"), None)
+    return launch_op is not None and (
+        launch_op["name"] in ops or _inductor_float8(launch_op["name"])
+        or "Float8" in str(launch_op.get("args", {}).get("Input type", ""))
+        or _weight_amax(launch_op)
+    )
+
+
+def _weight_amax(op: dict[str, Any]) -> bool:
+    # The float8 weights' amaxes (precompute_float8_scales_for_fsdp) are an inf-norm; the
+    # grad-norm clip's foreach_norm has ord 2.
+    return op["name"] == "aten::_foreach_norm" and "inf" in op.get("args", {}).get("Concrete Inputs", [])
+
+
+def _innermost_fsdp(chain: list[dict[str, Any]]) -> int | None:
+    return next((i for i, e in enumerate(chain) if _FSDP.match(e.get("name", ""))), None)
+
+
+def _fsdp_class(kernel: str | None, chain: list[dict[str, Any]]) -> str | None:
+    """The class of what FSDP launched itself (float8 or fsdp); None for anything else."""
+    at = _innermost_fsdp(chain)
+    if at is None:
+        return None
+    # Only the events below FSDP's: an op above it did not launch this.
+    if _FSDP_UNSHARD.match(chain[at]["name"]) and _float8_cast(kernel, chain[:at], _FSDP_CAST_OPS):
+        return "float8"
+    return "fsdp"
+
+
 def classify(kernel: str | None, chain: list[dict[str, Any]]) -> str:
     """Class of a GPU kernel (its name, the CPU events around its launch) or of a CPU op
     (`kernel` None, the op first in `chain`)."""
     names = [e.get("name", "") for e in chain]
-    launch_op = next((e for e in chain if e.get("cat") == "cpu_op"), None)
     if kernel is not None and _NCCL_KERNEL.search(kernel):
         return "nccl"
     if kernel is None and any(_COLLECTIVE_OP.search(n) for n in names):
         return "nccl"
+    # Before the name rules: FSDP's annotations carry module names (layers.0.attention).
+    fsdp = _fsdp_class(kernel, chain)
+    if fsdp is not None:
+        return fsdp
     if any(_ATTENTION.search(n) for n in [kernel or "", *names]):
         return "attention"
-    if (kernel and _GEMM_KERNEL.search(kernel)) or any(n in _GEMM_OPS for n in names):
+    if _gemm(kernel, names):
         return "gemm"
-    if kernel and (_FLOAT8_NAME.search(kernel) or _inductor_float8(kernel)):
-        return "float8"
-    if any(_FLOAT8_NAME.search(n) for n in names):
-        return "float8"
-    if launch_op is not None and (
-        launch_op["name"] in _FLOAT8_OPS or _inductor_float8(launch_op["name"])
-        or "Float8" in str(launch_op.get("args", {}).get("Input type", ""))
-    ):
+    if _float8_cast(kernel, chain, _FLOAT8_OPS):
         return "float8"
     if any(_OPTIMIZER.search(n) for n in [kernel or "", *names]):
         return "optimizer"
     return "elementwise"
+
+
+def _copy_class(chain: list[dict[str, Any]]) -> str:
+    # FSDP's memcpys are its all-gather / reduce-scatter buffers, float8 bytes or not.
+    return "memcpy" if _innermost_fsdp(chain) is None else "fsdp"
 
 
 def _empty_classes() -> dict[str, dict[str, float]]:
@@ -202,7 +264,8 @@ def summarize(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
             args = e.get("args", {})
             kind = GPU_CATEGORIES[str(e["cat"]).lower()]
             launch = launches.get(args.get("correlation")) or ops.get(args.get("External id"))
-            cls = "memcpy" if kind == "memcpy" else classify(e.get("name", ""), threads.chain(launch))
+            cls = _copy_class(threads.chain(launch)) if kind == "memcpy" \
+                else classify(e.get("name", ""), threads.chain(launch))
             add(cls, e.get("name", ""), e["dur"])
             lanes = per_device.setdefault(args.get("device", e.get("pid")), {"all": [], "nccl": [], "compute": []})
             interval = (e["ts"], e["ts"] + e["dur"])

@@ -81,6 +81,7 @@ EXPECTED = {
     "elementwise": {"ms": 2.0, "count": 1},
     "optimizer": {"ms": 3.0, "count": 2},
     "memcpy": {"ms": 1.0, "count": 1},
+    "fsdp": {"ms": 0.0, "count": 0},
     "nccl": {"ms": 13.5, "count": 3},
 }
 
@@ -95,6 +96,138 @@ def test_synthetic_gpu_trace_exact_times():
     assert s["gpu_idle_ms"] == 5.0
     assert s["step_wall_ms"] == 40.0  # first CPU op at -3 ms to the memcpy's end at 37 ms
     assert s["top"][0] == {"class": "gemm", "name": gpu_name(0), "ms": 10.0, "count": 1}
+
+
+def _launched(op: str, start_ms: float, end_ms: float, corr: int, types: list[str] | None = None,
+              tid: int = 1, call: str = "cudaLaunchKernel") -> list[dict]:
+    """A CPU op and, inside it, the runtime call that launched GPU work `corr`."""
+    op_event = _cpu(op, start_ms, end_ms, tid=tid)
+    if types is not None:
+        op_event["args"]["Input type"] = types
+    mid = (start_ms + end_ms) / 2
+    cat = "cuda_driver" if call == "cuLaunchKernel" else "cuda_runtime"
+    return [op_event, _cpu(call, mid - 0.01, mid + 0.01, tid=tid, cat=cat, corr=corr)]
+
+
+def fsdp_and_inductor_trace() -> dict:
+    """FSDP2's unshard and reduce-scatter (on one GPU as the H200 traces have them: casts and
+    copies right under FSDP::pre_forward; on more as torch's _fsdp_collectives.py runs them:
+    under FSDP::all_gather and its fsdp:: ops), and Inductor kernels named after the
+    _scaled_mm their casts feed."""
+    f8, bf16 = ["c10::Float8_e4m3fn", "float", "Scalar"], ["c10::BFloat16", "float", "Scalar"]
+    note = "user_annotation"
+    cpu = [
+        _cpu("FSDP::pre_forward (layers.0)", 0, 10, cat=note),
+        *_launched("aten::mul", 1, 2, 301, ["float", "float"]),
+        *_launched("aten::clamp", 2, 3, 302, ["float", "Scalar", "Scalar"]),
+        _cpu("aten::to", 3, 4), _cpu("aten::_to_copy", 3.1, 3.9), *_launched("aten::copy_", 3.2, 3.8, 303, f8),
+        *_launched("aten::copy_", 4, 5, 304, ["unsigned char", "unsigned char", "Scalar"], call="cudaMemcpyAsync"),
+        _cpu("aten::to", 5, 6), _cpu("aten::_to_copy", 5.1, 5.9), *_launched("aten::copy_", 5.2, 5.8, 305, bf16),
+        _cpu("FSDP::all_gather (layers.1)", 10, 20, cat=note),
+        *_launched("aten::abs", 11, 12, 306, ["float"]),
+        _cpu("fsdp::all_gather_copy_in", 12, 14), *_launched("aten::_foreach_copy_", 12.5, 13.5, 307),
+        *_launched("c10d::_allgather_base_", 14, 15, 308),
+        # Newer torch: fsdp_pre_all_gather under an FSDP::all_gather_copy_in annotation.
+        _cpu("FSDP::all_gather_copy_in (layers.2)", 15, 20, cat=note),
+        *_launched("aten::mul", 16, 17, 319, ["float", "float"]),
+        _cpu("FSDP::all_gather_copy_out (layers.1)", 20, 25, cat=note),
+        _cpu("fsdp::split_with_sizes_copy", 20.5, 24.5),
+        *_launched("aten::split_with_sizes_copy", 21, 24, 309, call="cudaMemcpyAsync"),
+        # Older torch called it directly; torchao's float8 bytes are a copy here too, not a cast.
+        *_launched("aten::split_with_sizes_copy", 24.6, 24.9, 320, ["c10::Float8_e4m3fn", "ScalarList"]),
+        _cpu("Torch-Compiled Region: 0/0", 30, 40, cat=note), _cpu("CompiledFunction", 30.1, 39.9),
+        _cpu("## Call CompiledFxGraph fabc ##", 30.2, 39.8, cat=note),
+        *_launched("triton_poi_fused__scaled_mm__to_copy_abs_clamp_mul_reciprocal_t_view_3", 31, 32, 310,
+                   ["c10::BFloat16", "float"], call="cuLaunchKernel"),
+        *_launched("triton_tem_fused__scaled_mm_t_view_4", 32, 33, 311, ["c10::Float8_e4m3fn"], call="cuLaunchKernel"),
+        *_launched("triton_poi_fused__scaled_mm_mul_silu_t_view_5", 33, 34, 312, ["c10::BFloat16"],
+                   call="cuLaunchKernel"),
+        # Backward, on the autograd thread: neither the module's name nor the float8 backward
+        # whose gradient fired FSDP's hook make its copies attention or float8.
+        _cpu("autograd::engine::evaluate_function: _Float8MatmulBackward", 40, 50, tid=2),
+        _cpu("FSDP::pre_backward (layers.0.attention)", 41, 49, tid=2, cat=note),
+        *_launched("aten::clamp", 42, 43, 313, ["float", "Scalar", "Scalar"], tid=2),
+        _cpu("aten::to", 44, 45, tid=2), _cpu("aten::_to_copy", 44.1, 44.9, tid=2),
+        *_launched("aten::copy_", 44.2, 44.8, 314, bf16, tid=2),
+        _cpu("autograd::engine::evaluate_function: RegisterPostBackwardFunctionBackward", 50, 60, tid=2),
+        _cpu("FSDP::post_backward_reduce (layers.0)", 50.5, 59.5, tid=2, cat=note),
+        _cpu("fsdp::chunk_cat", 51, 55, tid=2), _cpu("aten::_chunk_cat", 51.1, 54.9, tid=2),
+        _cpu("aten::to", 51.2, 52, tid=2), _cpu("aten::_to_copy", 51.3, 51.9, tid=2),
+        *_launched("aten::copy_", 51.4, 51.8, 315, ["long int", "long int", "Scalar"], tid=2, call="cudaMemcpyAsync"),
+        _cpu("cudaLaunchKernel", 53, 53.1, tid=2, cat="cuda_runtime", corr=316),
+        *_launched("aten::copy_", 56, 57, 317, ["float", "float", "Scalar"], tid=2, call="cudaMemcpyAsync"),
+        *_launched("aten::mul", 60.5, 61, 318, ["float", "float"], tid=2),  # not FSDP's: elementwise
+    ]
+    elementwise = "void at::native::vectorized_elementwise_kernel<4, at::native::"
+    dtod = "Memcpy DtoD (Device -> Device)"
+    gpu = [
+        _gpu("void at::native::elementwise_kernel<128, 2, BinaryFunctor<float, float, float, MulFunctor>>", 0, 1, 301),
+        _gpu(elementwise + "launch_clamp_scalar>", 1, 1.5, 302),
+        _gpu(elementwise + "float8_copy_kernel_cuda>", 1.5, 2, 303),
+        _gpu(dtod, 2, 2.25, 304, cat="gpu_memcpy"),
+        _gpu(elementwise + "bfloat16_copy_kernel_cuda>", 2.25, 2.5, 305),
+        _gpu("void at::native::reduce_kernel<512, 1, AbsFunctor>", 2.5, 3, 306),
+        # Float8 bytes (torchao all-gathers float8, not uint8) in FSDP's copy-in are a copy, not a cast.
+        _gpu("void at::native::multi_tensor_apply_kernel<TensorListMetadata<2>, CopyFunctor<c10::Float8_e4m3fn>>",
+             3, 4, 307),
+        _gpu("ncclDevKernel_AllGather_RING_LL(ncclDevComm*)", 4, 6, 308, stream=20),
+        _gpu(dtod, 6, 7.5, 309, cat="gpu_memcpy"),
+        _gpu("triton_poi_fused__scaled_mm__to_copy_abs_clamp_mul_reciprocal_t_view_3", 7.5, 9.5, 310),
+        _gpu("triton_tem_fused__scaled_mm_t_view_4", 9.5, 13.5, 311),
+        _gpu("triton_poi_fused__scaled_mm_mul_silu_t_view_5", 13.5, 14.5, 312),
+        _gpu(elementwise + "launch_clamp_scalar>", 14.5, 15, 313),
+        _gpu(elementwise + "bfloat16_copy_kernel_cuda>", 15, 15.25, 314),
+        _gpu("Memcpy HtoD (Pinned -> Device)", 15.25, 15.375, 315, cat="gpu_memcpy"),
+        _gpu("void at::native::detail::chunk_cat_cuda_kernel<float, c10::BFloat16>", 15.375, 18.375, 316),
+        _gpu(dtod, 18.375, 19.125, 317, cat="gpu_memcpy"),
+        _gpu("void at::native::elementwise_kernel<128, 2, BinaryFunctor<float, float, float, MulFunctor>>",
+             19.125, 19.625, 318),
+        _gpu("Memcpy HtoD (Pageable -> Device)", 19.625, 20, cat="gpu_memcpy"),  # the batch: no FSDP op
+        _gpu("void at::native::elementwise_kernel<128, 2, BinaryFunctor<float, float, float, MulFunctor>>",
+             20, 20.5, 319),
+        _gpu("void at::native::detail::split_with_sizes_copy_out_contiguous_no_cast_kernel", 20.5, 20.75, 320),
+    ]
+    return {"schemaVersion": 1, "traceEvents": cpu + gpu}
+
+
+FSDP_EXPECTED = {
+    "gemm": {"ms": 4.0, "count": 1},  # the Triton template only
+    "attention": {"ms": 0.0, "count": 0},
+    # mul 1 + clamp 0.5 + to float8 0.5 + abs 0.5 + mul 0.5 (forward), fused Triton cast 2,
+    # clamp 0.5 (backward)
+    "float8": {"ms": 5.5, "count": 7},
+    "elementwise": {"ms": 1.5, "count": 2},  # triton_poi_fused__scaled_mm_mul_silu, the mul after FSDP
+    "optimizer": {"ms": 0.0, "count": 0},
+    "memcpy": {"ms": 0.375, "count": 1},
+    # copy-out stand-in 0.25, bf16 casts 0.25 + 0.25, copy-in 1, split_with_sizes_copy 1.5 + 0.25,
+    # chunk_cat's sizes 0.125 and kernel 3, reduce-scatter copy-out 0.75
+    "fsdp": {"ms": 7.375, "count": 9},
+    "nccl": {"ms": 2.0, "count": 1},
+}
+
+
+def test_fsdp_and_inductor_kernels_exact_times():
+    s = ps.summarize(fsdp_and_inductor_trace(), top=100)
+    assert s["classes"] == FSDP_EXPECTED
+    by_name = {t["name"]: t["class"] for t in s["top"]}
+    assert by_name["triton_poi_fused__scaled_mm__to_copy_abs_clamp_mul_reciprocal_t_view_3"] == "float8"
+    assert by_name["triton_tem_fused__scaled_mm_t_view_4"] == "gemm"
+    assert by_name["triton_poi_fused__scaled_mm_mul_silu_t_view_5"] == "elementwise"
+    assert by_name["void at::native::detail::chunk_cat_cuda_kernel<float, c10::BFloat16>"] == "fsdp"
+    rows = {line[:30].strip(): line[30:].split() for line in ps.render(["t"], [s]).splitlines()}
+    assert rows["FSDP copies"] == ["7.38", "(9)"] and rows["memcpy/memset"] == ["0.38", "(1)"]
+
+
+def test_weight_amax_inf_norm_is_a_float8_cast_and_the_grad_norm_is_not():
+    def foreach_norm(order: str) -> list[dict]:
+        return [_cpu("aten::_foreach_norm", 0.0, 1.0, ext=9) | {"args": {"Concrete Inputs": ["", order, ""]}}]
+
+    assert ps.classify("multi_tensor_apply_kernel<LpNormFunctor>", foreach_norm("inf")) == "float8"
+    assert ps.classify("multi_tensor_apply_kernel<LpNormFunctor>", foreach_norm("2.")) == "optimizer"
+
+
+def test_every_class_is_in_the_docstring():
+    assert all(label in ps.__doc__ for label in ps.CLASSES.values())
 
 
 def gpu_name(i: int) -> str:
