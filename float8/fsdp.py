@@ -4,10 +4,13 @@ Lifecycle of a weight with `fsdp_float8_all_gather=True`::
 
     Float8Linear.weight = Parameter(Float8TrainingWeight(hp))        # convert
     fully_shard -> DTensor(local=Float8TrainingWeight(hp shard))     # what the optimizer steps
-    pre-forward all-gather:
-        fsdp_pre_all_gather   cast the shard to e4m3 with the weight's scale (precomputed
-                              after the optimizer step, else one amax all-reduce here),
-                              hand FSDP its bytes as uint8 (gloo has no float8)
+    after each optimizer step (precompute_float8_scales_for_fsdp):
+                              every scale from one amax all-reduce; with cast_weights=True
+                              also each shard cast to e4m3 with it, kept on the weight
+    every all-gather (forward, and backward's re-gather):
+        fsdp_pre_all_gather   the kept e4m3 shard, else the shard cast here with the
+                              precomputed scale (else one amax all-reduce here), handed
+                              to FSDP as uint8 (gloo has no float8)
         fsdp_post_all_gather  wrap the gathered bytes and the scale in a Float8GatheredWeight
     Float8Linear forward uses that data and scale directly: no cast of the weight.
 
@@ -58,6 +61,9 @@ class Float8TrainingWeight(torch.Tensor):
 
     _tensor: torch.Tensor
     _precomputed_scale: torch.Tensor | None
+    # The shard cast with `_precomputed_scale`, set with it (cast_weights=True) after the
+    # optimizer step, so the all-gathers of a step share one cast.
+    _float8_shard: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None):
@@ -75,6 +81,7 @@ class Float8TrainingWeight(torch.Tensor):
     def __init__(self, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None):
         self._tensor = tensor
         self._precomputed_scale = precomputed_scale
+        self._float8_shard = None
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -106,12 +113,13 @@ class Float8TrainingWeight(torch.Tensor):
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         # Defaults make both FSDP call conventions work: (mesh) and
         # (mesh, outer_size, outer_stride, module, mp_policy).
-        scale = self._precomputed_scale
+        scale, data = self._precomputed_scale, self._float8_shard
         if scale is None:
             amax = _amax(self._tensor)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
             scale = amax_to_scale(amax, E4M3)
-        data = cast_weight_with_scale(self._tensor, scale, E4M3)
+        if data is None:
+            data = cast_weight_with_scale(self._tensor, scale, E4M3)
         if outer_size is not None and mesh.ndim == 1:
             # Uneven sharding: FSDP wants every rank's input at the padded shard size.
             pad_rows = -(-outer_size[0] // mesh.size()) - data.shape[0]
@@ -212,11 +220,15 @@ def plain_weight(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def precompute_float8_scales_for_fsdp(model: nn.Module) -> None:
+def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = False) -> None:
     """Compute the float8 scales of all FSDP-sharded float8 weights with one all-reduce.
 
     Call after every `optimizer.step()` when `fsdp_float8_all_gather` is on; the next
-    all-gathers then skip their per-weight amax all-reduce.
+    all-gathers then skip their per-weight amax all-reduce. With `cast_weights`, each
+    shard is also cast to float8 with its new scale here, and every all-gather until the
+    next call (forward, and backward's re-gather) hands FSDP those bytes: one cast per
+    step instead of one per all-gather, for 1 byte per sharded parameter kept meanwhile.
+    The weights must not change between this call and those all-gathers.
     """
     weights = [
         p for p in model.parameters()
@@ -238,5 +250,7 @@ def precompute_float8_scales_for_fsdp(model: nn.Module) -> None:
         # which fully_shard puts first on a 2-D (dp, tp) mesh. The same group as the
         # per-weight fallback in fsdp_pre_all_gather, so both give the same scales.
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(0))
-        for w, scale in zip(group, amax_to_scale(amax, E4M3).unbind()):
-            w._local_tensor._precomputed_scale = scale
+        for w, shard, scale in zip(group, shards, amax_to_scale(amax, E4M3).unbind()):
+            local = w._local_tensor
+            local._precomputed_scale = scale
+            local._float8_shard = cast_weight_with_scale(shard, scale, E4M3) if cast_weights else None

@@ -29,21 +29,32 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from trainer.config import CompileMode, Float8Scaling
+from trainer.config import CompileMode, Float8Impl, Float8Scaling
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("bf16", *typing.get_args(Float8Scaling))
 COMPILE_MODES = typing.get_args(CompileMode)
+IMPLS = typing.get_args(Float8Impl)
 BASELINE = "bf16"
+DEFAULT_IMPL = "ours"
+
+
+def precision_label(precision: str, impl: str = DEFAULT_IMPL) -> str:
+    """A cell's precision as tables and charts name it: the recipe, with its float8 implementation
+    unless it is ours (tensorwise-torchao); bf16 has none."""
+    return precision if precision == BASELINE or impl == DEFAULT_IMPL else f"{precision}-{impl}"
 
 
 def cell_overrides(precision: str, compile_mode: str, steps: int, dump_folder: str,
-                   profile_step: int | None = None) -> list[str]:
-    """train.py options that define a cell; they come after the user's, so they win."""
-    name = f"{precision}-{compile_mode}"
+                   profile_step: int | None = None, impl: str | None = None) -> list[str]:
+    """train.py options that define a cell; they come after the user's, so they win. `impl` sets
+    float8.impl for a float8 cell (None: the config's)."""
+    name = f"{precision_label(precision, impl or DEFAULT_IMPL)}-{compile_mode}"
     args = ["--float8.enabled", "false" if precision == BASELINE else "true"]
     if precision != BASELINE:
         args += ["--float8.scaling", precision]
+        if impl is not None:
+            args += ["--float8.impl", impl]
     if precision != "tensorwise":
         # float8 all-gather exists for tensorwise only; a config that turns it on (7b_fp8.toml)
         # must not carry it into the other cells, where the advisor would flag it.
@@ -254,16 +265,17 @@ def check_config_and_overrides(config: str, extras: list[str], unit: str, own_fl
             raise BadArgs(f"--{name} is set for each {unit} by this script; use {own_flags}")
 
 
-def check_train_overrides(config: str, extras: list[str], cells: Iterable[tuple[str, str]], steps: int,
-                          profile_step: int | None = None) -> None:
-    """Let train.py's own config validation reject bad overrides once per (precision, compile mode)
-    cell, before any run starts."""
+def check_train_overrides(config: str, extras: list[str], cells: Iterable[tuple[str, str, str | None]],
+                          steps: int, profile_step: int | None = None) -> None:
+    """Let train.py's own config validation reject bad overrides once per (precision, compile mode,
+    float8 impl) cell, before any run starts."""
     from trainer.config import build_config
     from trainer.errors import UserError
 
-    for precision, mode in cells:
+    for precision, mode, impl in cells:
         try:
-            build_config(["--config", config, *extras, *cell_overrides(precision, mode, steps, "x", profile_step)])
+            build_config(["--config", config, *extras,
+                          *cell_overrides(precision, mode, steps, "x", profile_step, impl)])
         except UserError as e:
             raise BadArgs(str(e)) from None
 

@@ -13,14 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import COMPILE_MODES, PRECISIONS
+from scripts.cells import COMPILE_MODES, IMPLS, PRECISIONS
 from scripts.compare_report import Run, add_speedups, speedup_text
 from scripts.compare_run import CellResult
 
 
 @dataclasses.dataclass
 class ChartData:
-    """What the chart draws: x groups, one bar per (precision, group), each with a height and a label."""
+    """What the chart draws: x groups, one bar per (precision, group), each with a height and a label;
+    a precision is a cell's label (tensorwise, tensorwise-torchao)."""
 
     groups: list[str]
     precisions: list[str]
@@ -38,7 +39,7 @@ def _run_labels(runs: list[Run], labels: list[str] | None) -> list[str]:
 
 def chart_data(runs: list[Run], labels: list[str] | None = None) -> ChartData:
     """Bars of the merged runs; `labels` name the runs when their cells collide."""
-    cells = [(r.precision, r.compile) for run in runs for r in run.results]
+    cells = [(r.label, r.compile) for run in runs for r in run.results]
     per_run = len(cells) != len(set(cells))
     names = _run_labels(runs, labels)
     grouped: list[tuple[str, CellResult]] = []
@@ -53,15 +54,17 @@ def chart_data(runs: list[Run], labels: list[str] | None = None) -> ChartData:
     for i, (group, r) in enumerate(grouped):
         first_seen.setdefault(group, (COMPILE_MODES.index(r.compile), i))
     groups = sorted(first_seen, key=first_seen.__getitem__)
-    precisions = sorted({r.precision for _, r in grouped}, key=PRECISIONS.index)
+    # Each recipe's implementations side by side: tensorwise, tensorwise-torchao, rowwise, ...
+    order = {r.label: (PRECISIONS.index(r.precision), IMPLS.index(r.impl)) for _, r in grouped}
+    precisions = sorted(order, key=order.__getitem__)
     bars = {}
     for group, r in grouped:
         if not r.ok:
-            bars[(r.precision, group)] = (0.0, "failed")
+            bars[(r.label, group)] = (0.0, "failed")
         elif r.speedup_vs_bf16_same_compile is None:
-            bars[(r.precision, group)] = (r.tps, "")
+            bars[(r.label, group)] = (r.tps, "")
         else:
-            bars[(r.precision, group)] = (r.tps, speedup_text(r.speedup_vs_bf16_same_compile))
+            bars[(r.label, group)] = (r.tps, speedup_text(r.speedup_vs_bf16_same_compile))
     return ChartData(groups, precisions, bars, per_run)
 
 

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import BASELINE, COMPILE_MODES, PRECISIONS, load_json_file
+from scripts.cells import BASELINE, COMPILE_MODES, DEFAULT_IMPL, IMPLS, PRECISIONS, load_json_file
 from scripts.compare_run import CellResult
 from scripts.profile_summary import CLASSES
 
@@ -63,10 +63,10 @@ def render_table(results: list[CellResult]) -> str:
     rows = [TABLE_HEADER]
     for r in results:
         if not r.ok:
-            rows.append(f"| {r.precision} | {r.compile} | failed | | | | | | | |")
+            rows.append(f"| {r.label} | {r.compile} | failed | | | | | | | |")
             continue
         rows.append(
-            f"| {r.precision} | {r.compile} | {r.tps:,.0f} | {format_number(r.tflops)} | {_opt(r.mfu_pct)} "
+            f"| {r.label} | {r.compile} | {r.tps:,.0f} | {format_number(r.tflops)} | {_opt(r.mfu_pct)} "
             f"| {format_number(r.peak_memory_gib)} | {_opt(r.first_step_s)} | {r.final_loss:.4f} "
             f"| {_opt(r.speedup_vs_bf16_eager, speedup_text)} | {_opt(r.speedup_vs_bf16_same_compile, speedup_text)} |"
         )
@@ -99,11 +99,11 @@ def render_profiles(results: list[CellResult], step: int) -> str:
         if r.profile is None:
             continue
         if "error" in r.profile:
-            rows.append(f"| {r.precision} | {r.compile} | no trace: {r.profile['error']} |" + " |" * (len(labels) - 1))
+            rows.append(f"| {r.label} | {r.compile} | no trace: {r.profile['error']} |" + " |" * (len(labels) - 1))
             continue
         cells = [f"{c['ms']:.2f} ({c['count']})" for c in r.profile["classes"].values()]
         cells += ["-" if key not in r.profile else f"{r.profile[key]:.2f}" for key, _ in _PROFILE_EXTRAS]
-        rows.append(f"| {r.precision} | {r.compile} | " + " | ".join(cells) + " |")
+        rows.append(f"| {r.label} | {r.compile} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -121,6 +121,8 @@ def render_markdown(results: list[CellResult], info: dict[str, Any]) -> str:
         + (f"; profiled step {profile_step} left out" if profile_step else "") + "); "
         f"first step s includes compilation; peak mem is the max over all steps of the {memory}; "
         "MFU is against the GPU's bf16 dense peak (n/a on CPU)."
+        + ("" if all(r.impl == DEFAULT_IMPL for r in results) else " A precision named `<recipe>-torchao` ran "
+           "the recipe on the reference library torchao.float8 (float8.impl = torchao), the others on ours.")
         + ("" if env["gpu"] else " On a CPU without native bf16 the bf16 cells compute in float32 "
            "(training.mixed_precision_param = auto)."),
         "",
@@ -130,7 +132,8 @@ def render_markdown(results: list[CellResult], info: dict[str, Any]) -> str:
     parts += [
         f"- command: `{info['command']}`",
         f"- date: {info['date']}",
-        f"- torch {env['torch']}" + (f", CUDA {env['cuda']}" if env["cuda"] else "") + f", python {env['python']}",
+        f"- torch {env['torch']}" + (f", CUDA {env['cuda']}" if env["cuda"] else "") + f", python {env['python']}"
+        + (f", torchao {info['torchao']}" if info.get("torchao") else ""),
         f"- device: {device} x {info['nproc']} process(es)",
     ]
     return "\n".join(parts) + "\n"
@@ -155,7 +158,7 @@ def load_run(path: Path) -> Run:
     cells = data.get("cells") if isinstance(data, dict) else None
     if not isinstance(cells, list) or not all(
         isinstance(c, dict) and c.get("precision") in PRECISIONS and c.get("compile") in COMPILE_MODES
-        and isinstance(c.get("ok"), bool) for c in cells
+        and c.get("impl", DEFAULT_IMPL) in IMPLS and isinstance(c.get("ok"), bool) for c in cells
     ):
         raise ResultFileError(f"{path}: not a comparison.json (no list of cells with precision, compile, ok)")
     results = [CellResult(**{k: v for k, v in c.items() if k in _CELL_FIELDS}) for c in cells]

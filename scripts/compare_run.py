@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from scripts.cells import (
+    DEFAULT_IMPL,
     cell_overrides,
     display_command,
     failure_reason,
+    precision_label,
     read_metrics,
     run_logged,
     summarize_metrics,
@@ -29,10 +31,13 @@ from scripts.profile_summary import summarize as summarize_trace
 
 @dataclasses.dataclass
 class CellResult:
-    """One precision x compile-mode run; metric fields stay None when the run failed."""
+    """One precision x compile-mode run (of one float8 implementation); metric fields stay None when
+    the run failed."""
 
     precision: str
     compile: str
+    # float8.impl of a float8 cell: ours, or the reference library (torchao); bf16 cells keep ours.
+    impl: str = DEFAULT_IMPL
     ok: bool = False
     reason: str | None = None
     returncode: int | None = None
@@ -52,8 +57,13 @@ class CellResult:
     profile: dict[str, Any] | None = None
 
     @property
+    def label(self) -> str:
+        """The precision with its float8 implementation unless ours: tensorwise, tensorwise-torchao."""
+        return precision_label(self.precision, self.impl)
+
+    @property
     def name(self) -> str:
-        return f"{self.precision}-{self.compile}"
+        return f"{self.label}-{self.compile}"
 
 
 def copy_events(src: Path, dst: Path) -> None:
@@ -77,14 +87,14 @@ def profile_of(run_dir: Path, step: int) -> dict[str, Any]:
 
 
 def run_cell(precision: str, compile_mode: str, cli: argparse.Namespace, extras: list[str],
-             out: Path, train_py: str) -> CellResult:
+             out: Path, train_py: str, impl: str = DEFAULT_IMPL) -> CellResult:
     """One cell's train.py run, dumping to a new out/runs/<cell>/ with its TensorBoard files under out/tb/."""
-    result = CellResult(precision, compile_mode)
+    result = CellResult(precision, compile_mode, impl)
     run_dir = out / "runs" / result.name
     tb_dir = out / "tb" / result.name
     run_dir.mkdir(parents=True)  # compare_throughput moved an earlier comparison's runs/ aside
     cmd = [*train_launcher(cli.nproc, train_py), "--config", cli.config, *extras,
-           *cell_overrides(precision, compile_mode, cli.steps, str(run_dir), cli.profile_step)]
+           *cell_overrides(precision, compile_mode, cli.steps, str(run_dir), cli.profile_step, impl)]
     result.command = display_command(cmd)
     result.log = str(run_dir / "log.txt")
     start = time.perf_counter()

@@ -1,14 +1,17 @@
 """Throughput of bf16 and the float8 recipes, eager and compiled: one train.py run per cell.
 
     python scripts/compare_throughput.py --config configs/7b_fp8.toml --nproc 8 --out cmp
+    python scripts/compare_throughput.py --config configs/7b_fp8.toml --nproc 8 --impls ours,torchao \
+        --precisions bf16,tensorwise --compile block --out cmp  # ours vs torchao.float8, same trainer
     python scripts/compare_throughput.py --config configs/debug.toml --steps 6 --out /tmp/cmp \\
         -- --training.batch_size 2 --training.seq_len 128
     python scripts/compare_throughput.py --config configs/7b_fp8.toml --nproc 2 --steps 10 \\
         --profile-step 8 --out cmp                       # plus a profile summary per cell
     python scripts/compare_throughput.py --chart chart.png cmp_b2/comparison.json cmp_b4/comparison.json
 
-Every cell (precision x compile mode) runs train.py with the same config, seed and data;
-arguments after `--` go to every run. Medians are taken after dropping the warm-up steps,
+Every cell (precision x compile mode, and for float8 x implementation: --impls) runs train.py
+with the same config, seed and data; a torchao cell is named <recipe>-torchao-<compile mode>
+(tensorwise-torchao-block), bf16 cells are run once; arguments after `--` go to every run. Medians are taken after dropping the warm-up steps,
 so compilation shows up only in the first-step time. Writes, under --out:
 
     comparison.md      the table, with the command, date, torch version and device
@@ -35,7 +38,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.cells import (  # noqa: E402
+    BASELINE,
     COMPILE_MODES,
+    DEFAULT_IMPL,
+    IMPLS,
     PRECISIONS,
     ArgParser,
     BadArgs,
@@ -46,6 +52,8 @@ from scripts.cells import (  # noqa: E402
     environment,
     invocation,
     keep_earlier_results,
+    option_names,
+    precision_label,
     split_train_args,
 )
 from scripts.compare_chart import chart_data, chart_title, write_chart  # noqa: E402
@@ -86,6 +94,7 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
         raise BadArgs(f"the following arguments are required: {', '.join(missing)} (or --chart PNG RESULT.json ...)")
     cli.precisions = comma_names(cli.precisions, PRECISIONS, "--precisions")
     cli.compile = comma_names(cli.compile, COMPILE_MODES, "--compile")
+    cli.impls = comma_names(cli.impls, IMPLS, "--impls")
     check_run_counts(cli)
     if cli.profile_step is not None and not (
         1 <= cli.profile_step <= cli.steps and set(range(cli.warmup + 1, cli.steps + 1)) - {cli.profile_step}
@@ -93,6 +102,28 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
         raise BadArgs(f"--profile-step must be a step in [1, {cli.steps}] that leaves a measured step after "
                       f"the {cli.warmup} warm-up steps, got {cli.profile_step}")
     check_config_and_overrides(cli.config, extras, "cell", "--precisions, --compile, --steps, --profile-step or --out")
+    if "float8.impl" in option_names(extras):
+        raise BadArgs("--float8.impl is set for each cell by this script; use --impls")
+
+
+def run_cells(cli: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(precision, compile mode, float8 impl) of every cell, in table order: per compile mode, each
+    precision with its implementations side by side; bf16 once."""
+    return [(p, m, impl) for m in cli.compile for p in cli.precisions
+            for impl in ([DEFAULT_IMPL] if p == BASELINE else cli.impls)]
+
+
+def reference_version(cli: argparse.Namespace) -> str | None:
+    """torchao's version when a cell runs it, checked before any cell starts; raises BadArgs without it."""
+    if not any(impl == "torchao" for _, _, impl in run_cells(cli)):
+        return None
+    # Here, not at the top: the parent process loads torch only when a cell runs torchao.
+    from trainer.float8_reference import ReferenceMissing, torchao_version
+
+    try:
+        return torchao_version("--impls torchao")
+    except ReferenceMissing as e:
+        raise BadArgs(str(e)) from None
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -106,6 +137,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--warmup", type=int, default=None, help="steps dropped before the medians (default min(3, steps-1))")
     p.add_argument("--precisions", default="bf16,tensorwise,rowwise", help=f"comma list of {', '.join(PRECISIONS)} (default %(default)s)")
     p.add_argument("--compile", default="none,block,model", help=f"comma list of {', '.join(COMPILE_MODES)} (default %(default)s)")
+    p.add_argument("--impls", default=DEFAULT_IMPL,
+                   help=f"comma list of float8 implementations, {', '.join(IMPLS)} (torchao: pip install -e "
+                        "'.[reference]'), each run for every float8 precision (default %(default)s)")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="trace step N of each run (torch.profiler) and add its summary by kernel class; "
                         "the traced step is left out of the medians")
@@ -143,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         cli, extras = parse_args(argv)
         if cli.chart:
             return draw_from_files(cli)
-        check_train_overrides(cli.config, extras, [(p, m) for p in cli.precisions for m in cli.compile],
-                              cli.steps, cli.profile_step)
+        check_train_overrides(cli.config, extras, run_cells(cli), cli.steps, cli.profile_step)
+        torchao = reference_version(cli)
     except BadArgs as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -153,12 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     train_py, command, date = invocation(__file__, argv)
 
-    cells = [(p, m) for m in cli.compile for p in cli.precisions]
+    cells = run_cells(cli)
     results = []
-    for i, (precision, mode) in enumerate(cells, 1):
-        tag = f"[{i}/{len(cells)}] {precision}-{mode}"
-        print(f"{tag}: running, log in {out / 'runs' / f'{precision}-{mode}' / 'log.txt'}", flush=True)
-        r = run_cell(precision, mode, cli, extras, out, train_py)
+    for i, (precision, mode, impl) in enumerate(cells, 1):
+        name = f"{precision_label(precision, impl)}-{mode}"
+        tag = f"[{i}/{len(cells)}] {name}"
+        print(f"{tag}: running, log in {out / 'runs' / name / 'log.txt'}", flush=True)
+        r = run_cell(precision, mode, cli, extras, out, train_py, impl)
         status = f"{r.tps:,.0f} tokens/s/GPU" if r.ok else f"FAILED: {r.reason}"
         print(f"{tag}: {status} ({r.wall_s:.0f} s)", flush=True)
         results.append(r)
@@ -166,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
     info = {"command": command, "date": date, "nproc": cli.nproc, "steps": cli.steps, "warmup": cli.warmup,
             "profile_step": cli.profile_step, "environment": environment(), "config": cli.config,
-            "train_overrides": extras, "precisions": cli.precisions, "compile_modes": cli.compile}
+            "train_overrides": extras, "precisions": cli.precisions, "compile_modes": cli.compile,
+            "impls": cli.impls, "torchao": torchao}
     (out / "comparison.json").write_text(json.dumps(report_json(results, info), indent=2) + "\n")
     (out / "comparison.md").write_text(render_markdown(results, info))
     run = Run(out / "comparison.json", results, info)

@@ -1,7 +1,8 @@
 """The float8 implementations a benchmark can compare: this repository's `float8` package
 and the reference library, torchao's `torchao.float8` (optional: pip install -e ".[reference]").
 
-Both convert the same modules in place with the same recipe:
+Both convert the same modules in place with the same recipe; torchao's side is the trainer's
+(`[float8] impl = "torchao"`, trainer/float8_reference.py), which maps the recipes:
 
     ours            torchao
     tensorwise      Float8LinearConfig()                                  (its default)
@@ -11,32 +12,22 @@ Both convert the same modules in place with the same recipe:
 
 from __future__ import annotations
 
-import logging
+import typing
 
 from torch import nn
 
 from float8 import Float8Config, convert_to_float8_training, raise_dynamo_recompile_limit
+from trainer.config import Float8Impl
+from trainer.float8_reference import ReferenceMissing, torchao_config
+from trainer.float8_reference import torchao_version as reference_version
 
-IMPLS = ("ours", "torchao")
-TORCHAO_RECIPES = {"tensorwise": None, "rowwise": "rowwise", "rowwise_gw_hp": "rowwise_with_gw_hp"}
-INSTALL_HINT = 'pip install -e ".[reference]"'
-
-
-class ReferenceMissing(Exception):
-    """torchao is not installed (or not importable with this torch)."""
+IMPLS = typing.get_args(Float8Impl)
+__all__ = ["IMPLS", "ReferenceMissing", "convert", "torchao_version"]
 
 
 def torchao_version() -> str:
     """The installed torchao's version; raises ReferenceMissing with the install command."""
-    # torchao logs a warning per CUDA extension it cannot load (none of them is float8
-    # training's); on a CPU build that is every one of them.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    try:
-        import torchao
-        import torchao.float8
-    except ImportError as e:
-        raise ReferenceMissing(f"--impl torchao needs the reference library torchao ({e}): {INSTALL_HINT}") from None
-    return torchao.__version__
+    return reference_version("--impl torchao")
 
 
 def convert(module: nn.Module, scaling: str, impl: str) -> nn.Module:
@@ -49,10 +40,7 @@ def convert(module: nn.Module, scaling: str, impl: str) -> nn.Module:
         convert_to_float8_training(module, config=config)
         return module
     torchao_version()
-    from torchao.float8 import Float8LinearConfig
     from torchao.float8 import convert_to_float8_training as torchao_convert
 
-    recipe = TORCHAO_RECIPES[scaling]
-    config = Float8LinearConfig() if recipe is None else Float8LinearConfig.from_recipe_name(recipe)
-    torchao_convert(module, config=config)
+    torchao_convert(module, config=torchao_config(scaling))
     return module

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         if cli.merge:
             info, runs = merge(cli, command, date)
         else:
-            check_train_overrides(cli.config, extras, [(p, cli.compile) for p in cli.precisions], cli.steps)
+            check_train_overrides(cli.config, extras, [(p, cli.compile, None) for p in cli.precisions], cli.steps)
     except BadArgs as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -53,7 +53,7 @@ class Run:
         with torch.no_grad():
             self.model.init_weights()
         cfg = Config()
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, "cpu")
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, STEPS)
         self.dataloader = build_dataloader(
             kind="pretrain", path=str(ROOT / "data" / "corpus"), tokenizer=tokenizer, seq_len=SEQ_LEN,

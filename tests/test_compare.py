@@ -160,6 +160,75 @@ def test_cell_overrides_win_over_user_and_config(tmp_path):
     assert not bf16.float8.enabled and bf16.compile.mode == "model"
 
 
+def test_cell_overrides_set_the_float8_impl_only_when_asked(tmp_path):
+    base = ["--config", "configs/debug.toml", "--float8.impl", "torchao"]
+    cfg = build_config([*base, *cells.cell_overrides("tensorwise", "block", 5, "x", impl="ours")])
+    assert cfg.float8.impl == "ours" and cfg.job.run_name == "tensorwise-block"
+    cfg = build_config(["--config", "configs/debug.toml",
+                        *cells.cell_overrides("rowwise", "none", 5, "x", impl="torchao")])
+    assert cfg.float8.impl == "torchao" and cfg.job.run_name == "rowwise-torchao-none"
+    # Without impl (loss_compare, gpu_check, bench_ac) the config's stands; bf16 has none.
+    assert build_config([*base, *cells.cell_overrides("tensorwise", "none", 5, "x")]).float8.impl == "torchao"
+    bf16 = cells.cell_overrides("bf16", "none", 5, "x", impl="torchao")
+    assert "--float8.impl" not in bf16 and bf16[bf16.index("--job.run_name") + 1] == "bf16-none"
+    assert [cells.precision_label(p, i) for p, i in (("bf16", "torchao"), ("rowwise", "ours"), ("rowwise", "torchao"))] \
+        == ["bf16", "rowwise", "rowwise-torchao"]
+
+
+def test_impls_run_every_float8_precision_per_implementation(tmp_path, monkeypatch):
+    runs = []
+
+    def fake_cell(precision, mode, cli, extras, out, train_py, impl):
+        runs.append((precision, mode, impl))
+        r = _ok(precision, mode, 100.0 if precision == "bf16" else {"ours": 150.0, "torchao": 140.0}[impl])
+        r.impl, r.wall_s = impl, 1.0
+        return r
+
+    monkeypatch.setattr(ct, "run_cell", fake_cell)
+    monkeypatch.setattr("trainer.float8_reference.torchao_version", lambda asked_by: "9.9")
+    out = tmp_path / "o"
+    assert ct.main(["--config", "configs/debug.toml", "--out", str(out), "--steps", "4", "--impls", "ours,torchao",
+                    "--precisions", "bf16,tensorwise,rowwise", "--compile", "none,block"]) == 0
+    names = ["bf16-none", "tensorwise-none", "tensorwise-torchao-none", "rowwise-none", "rowwise-torchao-none"]
+    names += [n.replace("-none", "-block") for n in names]
+    assert [f"{cells.precision_label(p, i)}-{m}" for p, m, i in runs] == names
+    assert [i for p, _, i in runs if p == "bf16"] == ["ours", "ours"]  # bf16 once per compile mode
+    report = json.loads((out / "comparison.json").read_text())
+    assert [c["name"] for c in report["cells"]] == names and report["impls"] == ["ours", "torchao"]
+    assert report["torchao"] == "9.9" and report["cells"][2]["impl"] == "torchao"
+    md = (out / "comparison.md").read_text()
+    assert "| tensorwise-torchao | none | 140 |" in md and "| 1.40x | 1.40x |" in md
+    assert "ran the recipe on the reference library torchao.float8" in md and ", torchao 9.9" in md
+    run = rep.load_run(out / "comparison.json")
+    assert [r.name for r in run.results] == names
+    data = chart.chart_data([run])
+    assert data.precisions == ["bf16", "tensorwise", "tensorwise-torchao", "rowwise", "rowwise-torchao"]
+    assert data.bars[("tensorwise-torchao", "compile block")] == (140.0, "1.40x")
+
+
+def test_missing_torchao_refuses_before_any_cell(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # makes `import torchao` raise ImportError
+    monkeypatch.setattr(ct, "run_cell", lambda *a: pytest.fail("a cell ran"))
+    assert ct.main(["--config", "configs/debug.toml", "--out", str(tmp_path / "o"), "--impls", "ours,torchao",
+                    "--precisions", "tensorwise"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --impls torchao needs the reference library torchao") and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_result_files_without_impl_are_ours(tmp_path):
+    path = _write_result(tmp_path / "old", [_ok("bf16", "none", 1.0), _ok("tensorwise", "none", 2.0)])
+    data = json.loads(path.read_text())
+    for c in data["cells"]:
+        del c["impl"]  # written before --impls existed
+    path.write_text(json.dumps(data))
+    assert [(r.impl, r.name) for r in rep.load_run(path).results] == [("ours", "bf16-none"), ("ours", "tensorwise-none")]
+    data["cells"][1]["impl"] = "fast"
+    path.write_text(json.dumps(data))
+    with pytest.raises(rep.ResultFileError, match=r"not a comparison\.json"):
+        rep.load_run(path)
+
+
 def _run(results: list, folder: str = "cmp") -> rep.Run:
     return rep.Run(Path(folder) / "comparison.json", results, {})
 
@@ -298,7 +367,7 @@ def test_profiles_in_the_report(tmp_path, monkeypatch):
     assert "Profile of step 3, rank 0" in md and "profiled step 3 left out" in md
     rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
     assert rows["tensorwise"] == ("| tensorwise | none | 13.00 (2) | 4.00 (1) | 3.00 (3) | 2.00 (1) | 3.00 (2) "
-                                  "| 1.00 (1) | 13.50 (3) | 6.00 | 5.00 | 40.00 |")
+                                  "| 1.00 (1) | 0.00 (0) | 13.50 (3) | 6.00 | 5.00 | 40.00 |")
     assert rows["bf16"].startswith("| bf16 | none | no trace: ") and "no such file" in rows["bf16"]
     report = json.loads((tmp_path / "o" / "comparison.json").read_text())
     assert report["profile_step"] == 3
@@ -344,6 +413,10 @@ def test_all_cells_failed_exits_1_and_still_reports(tmp_path, monkeypatch, capsy
         (["--", "--profiling.steps", "2"], "--profiling.steps is set for each cell by this script"),
         (["results.json"], "result files, --labels and --title are read only with --chart"),
         (["--title", "x"], "result files, --labels and --title are read only with --chart"),
+        (["--impls", "ours,fast"], "--impls: unknown name 'fast' (choose from ours, torchao)"),
+        (["--", "--float8.impl", "torchao"], "--float8.impl is set for each cell by this script; use --impls"),
+        # train.py's own refusal, checked for the torchao cells before any cell runs
+        (["--impls", "torchao", "--", "--float8.filter", "auto"], "float8.filter = 'auto' times this repository's"),
     ],
 )
 def test_bad_arguments_one_line_exit_2(args, message, tmp_path, capsys):
@@ -406,6 +479,32 @@ def test_reduced_comparison_on_cpu(tmp_path):
         events = list((out / "tb" / cell).glob("events.out.tfevents.*"))
         assert events and all(f".{socket.gethostname()}." not in e.name for e in events), cell
         assert "step" in (out / "runs" / cell / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_ours_and_torchao_side_by_side_on_cpu(tmp_path):
+    # Emulated GEMMs (float8.emulate, torchao's own too): on CPUs with AMX torchao's torch._scaled_mm
+    # takes seconds per GEMM (docs/float8.md, "On CPU"); the casts, scales and cells are real.
+    pytest.importorskip("torchao.float8")
+    out = tmp_path / "cmp"
+    result = _run_script(["--config", "configs/debug.toml", "--steps", "3", "--precisions", "bf16,tensorwise",
+                          "--compile", "none", "--impls", "ours,torchao", "--out", str(out), "--", *TINY,
+                          "--float8.emulate", "true"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = ["bf16-none", "tensorwise-none", "tensorwise-torchao-none"]
+    report = json.loads((out / "comparison.json").read_text())
+    assert [c["name"] for c in report["cells"]] == names and report["failures"] == {}
+    by = {c["name"]: c for c in report["cells"]}
+    assert "--float8.impl torchao" in by["tensorwise-torchao-none"]["command"]
+    assert "--float8.impl ours" in by["tensorwise-none"]["command"] and "--float8.impl" not in by["bf16-none"]["command"]
+    assert "precision float8 tensorwise (torchao " in (out / "runs" / "tensorwise-torchao-none" / "log.txt").read_text()
+    md = (out / "comparison.md").read_text()
+    assert "| tensorwise-torchao | none | " in md and f"torchao {report['torchao']}" in md
+    # Same seed and data, the same recipe: the first step's losses agree closely.
+    first = [json.loads((out / "runs" / n / "metrics.jsonl").read_text().splitlines()[0])["loss"] for n in names[1:]]
+    assert abs(first[0] - first[1]) < 1e-3 * first[0]
+    for name in names:
+        assert list((out / "tb" / name).glob("events.out.tfevents.*")), name
 
 
 @pytest.mark.slow

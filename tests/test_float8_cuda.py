@@ -124,3 +124,16 @@ def test_trainer_with_auto_filter_times_and_says_what_it_kept(tmp_path):
     timed = [line for line in result.stdout.splitlines() if "float8: filter auto timed 4 linear shapes" in line]
     assert len(timed) == 1, result.stdout[-3000:]
     assert timed[0].count(" ms, float8 ") == 4
+
+
+def test_weights_cast_once_per_step_change_nothing_on_gpu(tmp_path):
+    # The kept float8 shards are the bytes each all-gather would cast (the Triton cast kernel on
+    # CUDA): the same run either way, step for step.
+    base = ["--training.steps", "4", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+            "--model.n_layers", "2", "--float8.enabled", "true", "--float8.fsdp_float8_all_gather", "true"]
+    runs = {}
+    for once in ("true", "false"):
+        proc = run_train([*base, "--job.dump_folder", str(tmp_path / once), "--float8.cast_weights_once", once])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[once] = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / once)]
+    assert len(runs["true"]) == 4 and runs["true"] == runs["false"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import socket
@@ -56,18 +57,24 @@ def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
 # ---------------------------------------------------------------- FSDP2
 
 
-def _record_all_gathers(log: list) -> None:
-    """Log (dtype, bytes) of every all-gather input FSDP issues (its name differs across versions)."""
+def _record_all_gathers(log: list, contents: list | None = None) -> dict:
+    """Log (dtype, bytes) of every all-gather input FSDP issues (its name differs across versions),
+    and into `contents` a digest of the bytes themselves. Returns the original functions."""
+    originals = {}
     for name in ("all_gather_into_tensor", "all_gather_single"):
         original = getattr(dist, name, None)
         if original is None:
             continue
+        originals[name] = original
 
         def recording(output, input, *args, _original=original, **kwargs):
             log.append((str(input.dtype), input.numel() * input.element_size()))
+            if contents is not None:
+                contents.append(hashlib.sha1(input.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
             return _original(output, input, *args, **kwargs)
 
         setattr(dist, name, recording)
+    return originals
 
 
 def _count_all_reduces() -> list:
@@ -82,11 +89,12 @@ def _count_all_reduces() -> list:
     return state
 
 
-def _fsdp_train(all_gather: bool, steps: int = 4) -> dict:
+def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
+    import float8.fsdp
     from float8 import Float8Config, convert_to_float8_training, precompute_float8_scales_for_fsdp
     from float8.fsdp import Float8GatheredWeight
 
@@ -108,25 +116,38 @@ def _fsdp_train(all_gather: bool, steps: int = 4) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     log: list = []
-    _record_all_gathers(log)
+    contents: list = []
+    all_gathers = _record_all_gathers(log, contents)
     all_reduces = _count_all_reduces()
-    losses, step_all_reduces, precompute_all_reduces = [], [], []
+    casts = [0]
+    plain_cast = float8.fsdp.cast_weight_with_scale
+
+    def counting_cast(*args):
+        casts[0] += 1
+        return plain_cast(*args)
+
+    float8.fsdp.cast_weight_with_scale = counting_cast
+    losses, step_all_reduces, precompute_all_reduces, step_casts = [], [], [], []
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     for _ in range(steps):
         x, target = torch.randn(16, 64, generator=gen), 0.1 * torch.randn(16, 32, generator=gen)
-        before = all_reduces[0]
+        before, casts_before = all_reduces[0], casts[0]
         loss = ((model(x).float() - target) ** 2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         step_all_reduces.append(all_reduces[0] - before)
+        step_casts.append(casts[0] - casts_before)
         if all_gather:
             before = all_reduces[0]
-            precompute_float8_scales_for_fsdp(model)
+            precompute_float8_scales_for_fsdp(model, cast_weights=cast_weights)
             precompute_all_reduces.append(all_reduces[0] - before)
         dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
         losses.append(loss.item())
     dist.all_reduce = all_reduces[1]
+    float8.fsdp.cast_weight_with_scale = plain_cast
+    for name, original in all_gathers.items():
+        setattr(dist, name, original)
 
     sharded = get_model_state_dict(model)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -137,6 +158,8 @@ def _fsdp_train(all_gather: bool, steps: int = 4) -> dict:
         "step_all_reduces": step_all_reduces,
         "precompute_all_reduces": precompute_all_reduces,
         "all_gathers": sorted(set(log)),
+        "all_gather_contents": contents,
+        "step_casts": step_casts,
         "weight_types": sorted(seen_weight_types),
         "plain_state_dict": plain,
         "gathered_is_float8": Float8GatheredWeight.__name__ in seen_weight_types,
@@ -144,7 +167,7 @@ def _fsdp_train(all_gather: bool, steps: int = 4) -> dict:
 
 
 def _fsdp_worker(rank: int) -> dict:
-    return {"on": _fsdp_train(True), "off": _fsdp_train(False)}
+    return {"on": _fsdp_train(True), "off": _fsdp_train(False), "cast_once": _fsdp_train(True, cast_weights=True)}
 
 
 def test_fsdp_float8_all_gather(tmp_path):
@@ -166,6 +189,20 @@ def test_fsdp_float8_all_gather(tmp_path):
     assert off["step_all_reduces"] == [0, 0, 0, 0]
     assert on["weight_types"] == ["Float8GatheredWeight"]
     assert on["plain_state_dict"] and off["plain_state_dict"]
+
+
+def test_fsdp_float8_weights_cast_once_per_step(tmp_path):
+    result = _spawn(_fsdp_worker, tmp_path)
+    per_gather, once = result["on"], result["cast_once"]
+    # The same bytes on the wire at every all-gather of every step, so the same training.
+    assert once["all_gather_contents"] == per_gather["all_gather_contents"]
+    assert len(once["all_gather_contents"]) == 4 * 6
+    assert once["losses"] == per_gather["losses"]
+    # 3 layers gathered in forward and again in backward: 6 casts a step at the all-gathers;
+    # cast once, only step 1's (nothing precast yet), then none: precompute casts each weight once.
+    assert per_gather["step_casts"] == [6, 6, 6, 6]
+    assert once["step_casts"] == [6, 0, 0, 0]
+    assert once["step_all_reduces"] == per_gather["step_all_reduces"]
 
 
 # ---------------------------------------------------------------- tensor parallel

@@ -32,8 +32,9 @@ def _seam(cfg: Config, device_type: str = "cpu") -> Float8Training | NoFloat8Tra
     return Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device_type, cfg.training.mixed_precision_param))
 
 
-# Trainer-only keys: `enabled`, and `filter`, whose "auto" needs the run's device, tokens and compile mode.
-TRAINER_ONLY_FLOAT8_KEYS = ("enabled", "filter")
+# Trainer-only keys: `enabled`; `filter`, whose "auto" needs the run's device, tokens and compile mode;
+# `cast_weights_once`, an argument of the post-step call; `impl`, which package the seam runs.
+TRAINER_ONLY_FLOAT8_KEYS = ("enabled", "filter", "cast_weights_once", "impl")
 
 
 def test_trainer_and_package_share_every_float8_default():
@@ -100,15 +101,18 @@ def test_float8_tp_styles_fall_back_where_torch_miscompiles_them(monkeypatch):
 @pytest.mark.parametrize(("scaling", "precomputes"), [("tensorwise", True), ("rowwise", False)])
 def test_post_optimizer_step_precomputes_scales_only_for_the_float8_all_gather(monkeypatch, scaling, precomputes):
     calls = []
-    monkeypatch.setattr(float8_training, "precompute_float8_scales_for_fsdp", calls.append)
+    monkeypatch.setattr(float8_training, "precompute_float8_scales_for_fsdp",
+                        lambda model, cast_weights: calls.append((model, cast_weights)))
     seam = _seam(_cfg(scaling=scaling, fsdp_float8_all_gather=True))
     # A rowwise recipe cannot gather its weights in float8: the setting is dropped (and advised about).
     assert seam.config.fsdp_float8_all_gather == precomputes
     model = torch.nn.Linear(16, 16)
     seam.post_optimizer_step(model)
-    assert calls == ([model] if precomputes else [])
+    assert calls == ([(model, True)] if precomputes else [])
+    _seam(_cfg(scaling=scaling, fsdp_float8_all_gather=True, cast_weights_once=False)).post_optimizer_step(model)
+    assert calls[1:] == ([(model, False)] if precomputes else [])
     _seam(_cfg(scaling=scaling)).post_optimizer_step(model)
-    assert len(calls) == int(precomputes)
+    assert len(calls) == 2 * int(precomputes)
 
 
 @pytest.mark.parametrize(("device_type", "raised"), [("cuda", True), ("cpu", False)])

@@ -13,7 +13,7 @@ from trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier
 
 def _lrs(decay: str, steps: int = 10, warmup: int = 3, floor: float = 0.1) -> list[float]:
     model = nn.Linear(4, 4)
-    opt = build_optimizer(model, OptimizerConfig(lr=1.0), "cpu")
+    opt = build_optimizer(model, OptimizerConfig(lr=1.0))
     sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=warmup, decay=decay, min_lr_ratio=floor), steps)
     lrs = []
     for _ in range(steps):
@@ -45,7 +45,7 @@ def test_no_decay_stays_at_the_peak():
 
 def test_weight_decay_skips_vectors():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    opt = build_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1), "cpu")
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1))
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert {p.ndim for p in decayed["params"]} == {2}
@@ -54,3 +54,11 @@ def test_weight_decay_skips_vectors():
         p.numel() for p in model.parameters()
     )
     assert isinstance(opt, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize(("implementation", "fused", "foreach"),
+                         [("auto", True, None), ("fused", True, None), ("foreach", None, True), ("for-loop", None, False)])
+def test_auto_is_the_fused_adamw_that_takes_the_guard(implementation, fused, foreach):
+    # trainer/step.py keeps the clip and non-finite guard on the device only with fused=True.
+    opt = build_optimizer(nn.Linear(4, 4), OptimizerConfig(implementation=implementation))
+    assert opt.defaults.get("fused") == fused and opt.defaults.get("foreach") == foreach

@@ -78,6 +78,20 @@ def test_fsdp_float8_all_gather_same_losses(tmp_path):
     _assert_close(off, on, 1e-2, "float8 all-gather on vs off")
 
 
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_float8_weights_cast_once_per_step_changes_nothing(tmp_path, layout):
+    # The same float8 bytes and scales reach every GEMM whether each weight shard is cast once
+    # after the optimizer step or at each all-gather: the runs agree exactly. TP=2 runs FSDP
+    # over a data-parallel group of one rank (the single-rank reduction) with the float8 TP styles.
+    args = ["--training.batch_size", "4" if layout == "fsdp" else "8", *FLOAT8["tensorwise"],
+            "--float8.fsdp_float8_all_gather", "true", "--metrics.log_freq", "1"]
+    if layout == "tp":
+        args += ["--parallelism.tensor_parallel_degree", "2"]
+    per_gather = _losses(tmp_path, "per_gather", [*args, "--float8.cast_weights_once", "false"], nproc=2)
+    once = _losses(tmp_path, "once", [*args, "--float8.cast_weights_once", "true"], nproc=2)
+    assert once == per_gather
+
+
 def test_compile_modes_same_losses(tmp_path):
     args = ["--training.batch_size", "8", "--model.n_layers", "1"]
     eager = _losses(tmp_path, "none", args)

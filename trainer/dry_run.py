@@ -42,7 +42,8 @@ def print_plan(cfg: Config) -> None:
         flops_per_token(without_embedding, args.n_layers, args.dim, t.seq_len),
     )
     fpt = facts.flops_per_token
-    precision = f"float8 {facts.float8_recipe}" if facts.float8_recipe else params.dtype
+    impl = f" ({cfg.float8.impl})" if cfg.float8.impl != "ours" else ""
+    precision = f"float8 {facts.float8_recipe}{impl}" if facts.float8_recipe else params.dtype
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun():
         layout += " (dp = -1 takes the rest of the world at launch)"

@@ -35,6 +35,7 @@ from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat
 from trainer.config import Config, Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES, TPStyles
 from trainer.errors import UserError
+from trainer.float8_reference import TorchaoFloat8Training
 
 # The float8 gathers hand local tensors to the float8 colwise linears (float8/tp.py).
 FLOAT8_TP_STYLES = TPStyles(
@@ -212,9 +213,11 @@ class Float8Training:
     @staticmethod
     def from_config(
         f8: Float8TrainingConfig, run: Float8RunContext, timer: Timer | None = None
-    ) -> Float8Training | NoFloat8Training:
+    ) -> Float8Training | NoFloat8Training | TorchaoFloat8Training:
         if not f8.enabled:
             return NoFloat8Training()
+        if f8.impl == "torchao":
+            return TorchaoFloat8Training(f8, run)
         return Float8Training(f8, float8_config(f8), run, timer)
 
     def convert(self, model: nn.Module, time_linears: bool = True) -> Float8ConversionReport:
@@ -276,9 +279,10 @@ class Float8Training:
         return PLAIN_TP_STYLES
 
     def post_optimizer_step(self, model: nn.Module) -> None:
-        """After each applied optimizer step: the float8 all-gather's weight scales, in one all-reduce."""
+        """After each optimizer step: the float8 all-gather's weight scales, in one all-reduce, and
+        with `float8.cast_weights_once` the float8 weight shards its all-gathers hand on."""
         if self.config.fsdp_float8_all_gather:
-            precompute_float8_scales_for_fsdp(model)
+            precompute_float8_scales_for_fsdp(model, cast_weights=self.f8.cast_weights_once)
 
     def arm_health(self, model: nn.Module, step: int, device: torch.device) -> None:
         """Before a step's forward: on every `metrics.float8_stats_freq`-th step, have the float8

@@ -10,7 +10,7 @@ from torch import nn
 from trainer.config import LRSchedulerConfig, OptimizerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay on matrices only (norm weights are not decayed)."""
     decay, no_decay = [], []
     for p in model.parameters():
@@ -20,9 +20,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) ->
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if device_type == "cuda" else "foreach"
+    # Fused (CUDA and CPU kernels) also takes the clip and the non-finite guard (trainer/step.py).
+    impl = "fused" if cfg.implementation == "auto" else cfg.implementation
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
 

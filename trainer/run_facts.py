@@ -25,7 +25,8 @@ class RunFacts:
     tokens_per_gpu: float
     param_dtype: str
     float8_recipe: str | None
-    # bf16, fp32 or the float8 recipe: the precision part of the default run name.
+    # bf16, fp32 or the float8 recipe (with a float8.impl other than ours: tensorwise-torchao):
+    # the precision part of the default run name.
     precision: str
     run_name: str
     n_params: int
@@ -40,6 +41,8 @@ class RunFacts:
         tokens_per_rank = t.batch_size * t.seq_len * t.gradient_accumulation_steps
         recipe = cfg.float8.scaling if cfg.float8.enabled else None
         precision = recipe or _SHORT_DTYPES[param_dtype]
+        if recipe and cfg.float8.impl != "ours":
+            precision = f"{recipe}-{cfg.float8.impl}"
         return RunFacts(
             world_size=world_size, dp=dp, tp=tp, batch_size=t.batch_size, seq_len=t.seq_len,
             grad_accum=t.gradient_accumulation_steps, global_batch=t.batch_size * t.gradient_accumulation_steps * dp,

@@ -38,18 +38,29 @@ class StepParts:
     max_norm: float
 
 
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step whose update is queued: its loss and grad norm (2 float64s) are read by `finish_step`."""
+
+    values: torch.Tensor
+    t_backward: Any
+    # Set when `values` is an in-flight copy to the host: the event that marks it complete.
+    copied: Any = None
+
+
 def train_step(
     loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     micro_batches: list[dict[str, torch.Tensor]],
     parts: StepParts,
     timer: StepTimer,
-) -> tuple[float, float, bool, Any]:
+) -> LaunchedStep:
     """One optimizer step over the micro-batches, applied only when its loss and grad norm are finite.
 
-    Returns the mean loss, the grad norm, whether the step was applied and the timer
-    mark where backward ended. Reading the loss and grad norm waits for backward (one
-    sync per step): the decision must precede the optimizer step, and a non-finite
-    gradient applied once would leave non-finite weights behind.
+    With the fused AdamW the clip and the guard stay on the device: the clip divisor goes in
+    as the kernel's `grad_scale` and non-finiteness as its `found_inf` (the kernel then leaves
+    weights, moments and step count untouched), so nothing waits between backward and the
+    update and the loss is read after it (`finish_step`). Other optimizers cannot skip
+    themselves: the loss and grad norm are read first, and a non-finite step is not run.
     """
     model, device = parts.model, parts.device
     # Counted on the host copies: no device sync.
@@ -70,19 +81,75 @@ def train_step(
         loss_total += summed.detach().double()
     dist.all_reduce(loss_total, group=parts.dp_group)
     t_backward = timer.mark()
-    max_norm = parts.max_norm if parts.max_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    loss, norm = torch.stack([loss_total / n_tokens, grad_norm.double()]).tolist()
-    applied = math.isfinite(loss) and math.isfinite(norm)
-    if applied:
-        parts.optimizer.step()
-        parts.lr_scheduler.step()
+    grad_norm = _global_grad_norm(model)
+    values = torch.stack([loss_total / n_tokens, grad_norm.double()])
+    if _skips_itself(parts.optimizer):
+        # The copy is queued before the update, so `finish_step` waits for backward and the
+        # norm only: the device runs the update while the host reads the next batches and
+        # queues the next forward.
+        launched = _copy_to_host(values, t_backward)
+        _fused_guarded_step(parts.optimizer, values, grad_norm, parts.max_norm)
+    else:
+        launched = LaunchedStep(values.cpu(), t_backward)
+        if _finite(launched.values):
+            if parts.max_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), parts.max_norm, grad_norm, foreach=True)
+            parts.optimizer.step()
     parts.optimizer.zero_grad(set_to_none=True)
+    # After a skipped step it recomputes what the unchanged weights already gave.
+    parts.after_optimizer_step(model)
+    return launched
+
+
+def finish_step(launched: LaunchedStep, parts: StepParts) -> tuple[float, float, bool]:
+    """The step's loss, grad norm and whether it was applied; advances the LR schedule if it was.
+
+    Waits only for the step's own values, not for the update queued after them.
+    """
+    if launched.copied is not None:
+        launched.copied.synchronize()
+    applied = _finite(launched.values)
     if applied:
-        parts.after_optimizer_step(model)
-    return loss, norm, applied, t_backward
+        parts.lr_scheduler.step()
+    loss, norm = launched.values.tolist()
+    return loss, norm, applied
+
+
+def _global_grad_norm(model: nn.Module) -> torch.Tensor:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _skips_itself(optimizer: torch.optim.Optimizer) -> bool:
+    """Torch's fused Adam(W) takes `grad_scale` and `found_inf` from the optimizer's attributes."""
+    return bool(optimizer.defaults.get("fused"))
+
+
+def _fused_guarded_step(
+    optimizer: torch.optim.Optimizer, values: torch.Tensor, grad_norm: torch.Tensor, max_norm: float
+) -> None:
+    found_inf = (~torch.isfinite(values).all()).float()
+    # clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1); the kernel divides by grad_scale.
+    grad_scale = (grad_norm.float() + 1e-6).div(max_norm).clamp(min=1.0) if max_norm > 0 else None
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
+def _copy_to_host(values: torch.Tensor, t_backward: Any) -> LaunchedStep:
+    if values.device.type != "cuda":
+        return LaunchedStep(values.cpu(), t_backward)
+    host = values.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return LaunchedStep(host, t_backward, copied)
+
+
+def _finite(values: torch.Tensor) -> bool:
+    return bool(torch.isfinite(values).all())
 
 
 @dataclasses.dataclass

@@ -43,7 +43,7 @@ from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.precision import TORCH_DTYPES, resolve_param_precision
 from trainer.run_facts import RunFacts, startup_summary
 from trainer.run_folder import move_previous_records
-from trainer.step import LoopProgress, StepOutcome, StepParts, skip_or_stop, train_step
+from trainer.step import LoopProgress, StepOutcome, StepParts, finish_step, skip_or_stop, train_step
 from trainer.train_state import StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
 
@@ -82,7 +82,7 @@ class Trainer:
             reshard_after_forward=cfg.parallelism.reshard_after_forward,
         )
         init_weights(self.model, self.model_args, cfg.training.seed, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
         self.device_name, self.peak_flops = gpu_bf16_peak_flops(self.device)
@@ -276,26 +276,30 @@ class Trainer:
             outcome.t_start = time.perf_counter()
             self.float8.arm_health(self.model, step, self.device)
             t_launch = self.timer.mark()
-            outcome.loss, outcome.grad_norm, outcome.applied, t_backward = train_step(
-                self._loss_sum, micro_batches, self.parts, self.timer
-            )
+            launched = train_step(self._loss_sum, micro_batches, self.parts, self.timer)
             t_done = self.timer.mark()
-            # A skipped step is retried on the next batches, so the last step may need them too.
+            last = step == self.cfg.training.steps
             t_data = time.perf_counter()
-            if step < self.cfg.training.steps or not outcome.applied:
-                try:
-                    outcome.next_batches = self._next_micro_batches(data_iter)
-                    outcome.next_state = self.dataloader.state_dict()
-                except UserError as e:  # a bad data row: this step is still completed and saved
-                    outcome.data_error = e
+            if not last:  # read while the device runs the update
+                self._read_next_batches(outcome, data_iter)
             outcome.data_time = time.perf_counter() - t_data
+            outcome.loss, outcome.grad_norm, outcome.applied = finish_step(launched, self.parts)
+            if last and not outcome.applied:  # a skipped step is retried on the next batches
+                self._read_next_batches(outcome, data_iter)
         outcome.t_end = time.perf_counter()
-        outcome.marks = (t_launch, t_backward, t_done)
+        outcome.marks = (t_launch, launched.t_backward, t_done)
         health = self.float8.read_health()
         outcome.float8_health = health.metrics
         for message in health.warnings if self.is_main else ():
             warn(message)
         return outcome
+
+    def _read_next_batches(self, outcome: StepOutcome, data_iter) -> None:
+        try:
+            outcome.next_batches = self._next_micro_batches(data_iter)
+            outcome.next_state = self.dataloader.state_dict()
+        except UserError as e:  # a bad data row: this step is still completed and saved
+            outcome.data_error = e
 
     def _count(self, outcome: StepOutcome, run: LoopProgress) -> None:
         """Advance the counters: an applied step moves the step on, a skipped one may stop the run."""

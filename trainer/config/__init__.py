@@ -13,6 +13,7 @@ from trainer.config.schema import (
     Config,
     DataConfig,
     DataKind,
+    Float8Impl,
     Float8Scaling,
     Float8TrainingConfig,
     JobConfig,
@@ -30,8 +31,8 @@ from trainer.config.toml_writer import to_toml
 
 __all__ = [
     "DEFAULT_CONFIG", "SECTIONS", "ActivationCheckpointConfig", "ActivationCheckpointMode", "CheckpointConfig",
-    "CompileConfig", "CompileMode", "Config", "DataConfig", "DataKind", "Float8Scaling", "Float8TrainingConfig",
-    "JobConfig", "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig",
-    "ProfilingConfig", "TrainingConfig", "ValidationConfig", "build_config", "check_layout", "choices_of",
-    "help_text", "load_toml", "parse_cli", "to_toml", "validate",
+    "CompileConfig", "CompileMode", "Config", "DataConfig", "DataKind", "Float8Impl", "Float8Scaling",
+    "Float8TrainingConfig", "JobConfig", "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig",
+    "ParallelismConfig", "ProfilingConfig", "TrainingConfig", "ValidationConfig", "build_config", "check_layout",
+    "choices_of", "help_text", "load_toml", "parse_cli", "to_toml", "validate",
 ]

@@ -17,6 +17,7 @@ ModelFlavor = Literal["debug", "7B", "13B", "70B"]
 AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
 Float8Filter = Literal["rules", "auto"]
+Float8Impl = Literal["ours", "torchao"]
 CompileMode = Literal["none", "block", "model"]
 ActivationCheckpointMode = Literal["none", "full", "selective"]
 ParamDtype = Literal["auto", "bfloat16", "float32"]
@@ -97,6 +98,13 @@ class Float8TrainingConfig:
     scaling: Float8Scaling = _opt("tensorwise", "Scaling recipe.")
     emulate: bool = _opt(False, "Emulate float8 GEMMs in high precision (for hardware without float8 GEMMs; slow).")
     fsdp_float8_all_gather: bool = _opt(False, "All-gather weights in float8 under FSDP (tensorwise only); halves weight traffic.")
+    # Trainer-only: an argument of the post-step call, not a Float8Config field.
+    cast_weights_once: bool = _opt(
+        True,
+        "With fsdp_float8_all_gather: cast each weight shard to float8 once per optimizer step, right after it, "
+        "and hand those bytes to every all-gather of the next step (forward and backward); keeps 1 byte per "
+        "sharded float8 weight parameter meanwhile. false = cast at every all-gather.",
+    )
     filter_fqns: list[str] = _opt(["output"], "Module names to keep in high precision (substring match).")
     min_features: int = _opt(0, "Skip linears whose in or out features are below this (too small to gain from float8).")
     # Trainer-only, not a Float8Config field: "auto" times linears on the run's device at its tokens
@@ -106,6 +114,13 @@ class Float8TrainingConfig:
         "Which linears to convert: rules = every one that filter_fqns, min_features and the 16-alignment allow; "
         "auto = of those, only the shapes whose float8 forward + backward, timed at start-up on the GPU at "
         "the run's tokens per micro-batch (eager or compiled as compile.mode), beats bf16 (on CPU: as rules).",
+    )
+    # Trainer-only: which implementation the trainer's float8 seam runs (trainer/float8_reference.py: torchao).
+    impl: Float8Impl = _opt(
+        "ours",
+        "Float8 implementation: ours = this repository's float8/ package; torchao = the reference library "
+        "torchao.float8 (pip install -e '.[reference]') with the same recipe, linears, FSDP float8 all-gather "
+        "and TP styles, to compare the two in the same run (filter = 'auto' and metrics.float8_stats_freq are ours only).",
     )
 
 
@@ -210,7 +225,7 @@ class OptimizerConfig:
     weight_decay: float = _opt(0.1, "Decoupled weight decay (not applied to norms).")
     betas: list[float] = _opt([0.9, 0.95], "Adam betas.")
     eps: float = _opt(1e-8, "Adam epsilon.")
-    implementation: OptimizerImplementation = _opt("auto", "auto = fused on CUDA, foreach elsewhere.")
+    implementation: OptimizerImplementation = _opt("auto", "auto = fused (clip and non-finite guard inside the kernel, no sync before the update).")
 
 
 @_section

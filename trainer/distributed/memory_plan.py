@@ -5,6 +5,9 @@ T = batch x seq / tp tokens per micro-batch (TP's sequence-parallel parts hold 1
 
     state       = P x (4 fp32 master + 8 AdamW) / (dp x tp)  + one block's gathered weights
                   (1 byte/param with float8, else the param dtype's bytes)
+                + L x block params x 1 / (dp x tp)              (float8 all-gather with
+                                                                 float8.cast_weights_once: the kept
+                                                                 float8 shards)
     activations = L x T x dim x C[AC mode]                      (C below; AC full: block inputs
                                                                  only, plus one block's full set)
                 + T x vocab x (2 + 4 + 4)                       (bf16 logits, their fp32 upcast and
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from float8.recipe import RECIPES
 from models.llama.args import LlamaArgs
 from models.llama.attention import FLEX_BLOCK_SIZE
 from trainer.config import Config
@@ -105,12 +109,14 @@ class MemoryEstimate:
 def estimate(
     args: LlamaArgs, *, batch_size: int, seq_len: int, ac_mode: str, float8: bool, param_bytes: int = 2,
     dp: int = 1, tp: int = 1, packed: bool = False, device_type: str = "cuda", attention_kernel: str = "sdpa",
-    loss_parallel: bool = True,
+    loss_parallel: bool = True, kept_float8_shards: bool = False,
 ) -> MemoryEstimate:
     """The peak memory per GPU of one micro-batch (the formula in the module docstring)."""
     total_params, block_params = n_params(args)
     shards = max(dp, 1) * max(tp, 1)
     state = total_params * (4 + 8) / shards + block_params * (1 if float8 else param_bytes)
+    if kept_float8_shards:
+        state += args.n_layers * block_params / shards
     grads = total_params * 4 / shards
     tokens = batch_size * seq_len / max(tp, 1)
     scale = param_bytes / 2
@@ -145,6 +151,9 @@ def estimate_for(
         float8=cfg.float8.enabled, param_bytes=param_bytes, dp=dp, tp=tp,
         packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type, attention_kernel=args.attention,
         loss_parallel=vocab_sharded_logits,
+        # Our package keeps them (float8.cast_weights_once); torchao casts at each all-gather.
+        kept_float8_shards=cfg.float8.enabled and cfg.float8.impl == "ours" and cfg.float8.fsdp_float8_all_gather
+        and cfg.float8.cast_weights_once and RECIPES[cfg.float8.scaling].weight_gatherable_in_float8,
     )
 
 
