@@ -1,7 +1,7 @@
 """Throughput of bf16 and the float8 recipes, eager and compiled: one train.py run per cell.
 
     python scripts/compare_throughput.py --config configs/7b_fp8.toml --nproc 8 --out cmp
-    python scripts/compare_throughput.py --config configs/7b_fp8.toml --nproc 8 --impls ours,torchao \
+    python scripts/compare_throughput.py --config configs/7b_fp8.toml --nproc 8 --impls ours,torchao \\
         --precisions bf16,tensorwise --compile block --out cmp  # ours vs torchao.float8, same trainer
     python scripts/compare_throughput.py --config configs/debug.toml --steps 6 --out /tmp/cmp \\
         -- --training.batch_size 2 --training.seq_len 128
@@ -11,8 +11,9 @@
 
 Every cell (precision x compile mode, and for float8 x implementation: --impls) runs train.py
 with the same config, seed and data; a torchao cell is named <recipe>-torchao-<compile mode>
-(tensorwise-torchao-block), bf16 cells are run once; arguments after `--` go to every run. Medians are taken after dropping the warm-up steps,
-so compilation shows up only in the first-step time. Writes, under --out:
+(tensorwise-torchao-block), bf16 cells are run once; arguments after `--` go to every run.
+Medians are taken after dropping the warm-up steps, so compilation shows up only in the
+first-step time. Writes, under --out:
 
     comparison.md      the table, with the command, date, torch version and device
     comparison.json    the same numbers, versions, per-cell commands and failure reasons

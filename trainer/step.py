@@ -59,8 +59,9 @@ def train_step(
     With the fused AdamW the clip and the guard stay on the device: the clip divisor goes in
     as the kernel's `grad_scale` and non-finiteness as its `found_inf` (the kernel then leaves
     weights, moments and step count untouched), so nothing waits between backward and the
-    update and the loss is read after it (`finish_step`). Other optimizers cannot skip
-    themselves: the loss and grad norm are read first, and a non-finite step is not run.
+    update; `finish_step` reads the loss and grad norm once backward is done, while the
+    update runs. Other optimizers cannot skip themselves: the loss and grad norm are read
+    first, and a non-finite step is not run.
     """
     model, device = parts.model, parts.device
     # Counted on the host copies: no device sync.
