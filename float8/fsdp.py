@@ -7,11 +7,14 @@ Lifecycle of a weight with `fsdp_float8_all_gather=True`::
     after each optimizer step (precompute_float8_scales_for_fsdp):
                               every scale from one amax all-reduce; with cast_weights=True
                               also each shard cast to e4m3 with it, kept on the weight
+                              (written in place from the second step on)
     every all-gather (forward, and backward's re-gather):
         fsdp_pre_all_gather   the kept e4m3 shard, else the shard cast here with the
                               precomputed scale (else one amax all-reduce here), handed
                               to FSDP as uint8 (gloo has no float8)
         fsdp_post_all_gather  wrap the gathered bytes and the scale in a Float8GatheredWeight
+                              (at one rank, trainer/distributed/single_rank_gather.py
+                              makes the kept shard itself those bytes: no copy)
     Float8Linear forward uses that data and scale directly: no cast of the weight.
 
 The two subclasses unwrap to plain tensors for every other op, so optimizers,
@@ -62,7 +65,8 @@ class Float8TrainingWeight(torch.Tensor):
     _tensor: torch.Tensor
     _precomputed_scale: torch.Tensor | None
     # The shard cast with `_precomputed_scale`, set with it (cast_weights=True) after the
-    # optimizer step, so the all-gathers of a step share one cast.
+    # optimizer step, so the all-gathers of a step share one cast. Rewritten in place each
+    # step: a single-rank unshard keeps its storage as the unsharded weight's bytes.
     _float8_shard: torch.Tensor | None
 
     @staticmethod
@@ -103,6 +107,12 @@ class Float8TrainingWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"Float8TrainingWeight({self._tensor})"
 
+    @property
+    def fsdp_all_gather_input_is_kept(self) -> bool:
+        """Whether `fsdp_pre_all_gather` hands on the kept float8 shard: bytes that stay valid,
+        in the same storage, until the next optimizer step rewrites them in place."""
+        return self._float8_shard is not None
+
     def fsdp_pre_all_gather(
         self,
         mesh: Any,
@@ -139,9 +149,13 @@ class Float8TrainingWeight(torch.Tensor):
         (data,) = all_gather_outputs
         (scale,) = metadata
         if out is not None:
-            # Later all-gathers refill the same storage in place; only the scale is new.
+            # Later all-gathers refill the same storage in place; only the scale is new. A
+            # single-rank unshard that switches between copying the bytes and using the kept
+            # shard itself hands over other storage: the weight then reads that.
             inner = out._local_tensor if isinstance(out, DTensor) else out
             inner._scale = scale
+            if data.data_ptr() != inner._data.data_ptr():
+                inner._data = data.view(E4M3).view(inner._data.shape)
             return None
         data = data.view(E4M3)
         return Float8GatheredWeight(data, scale, param_dtype), (data,)
@@ -253,4 +267,5 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
         for w, shard, scale in zip(group, shards, amax_to_scale(amax, E4M3).unbind()):
             local = w._local_tensor
             local._precomputed_scale = scale
-            local._float8_shard = cast_weight_with_scale(shard, scale, E4M3) if cast_weights else None
+            kept = local._float8_shard if cast_weights else None
+            local._float8_shard = cast_weight_with_scale(shard, scale, E4M3, out=kept) if cast_weights else None

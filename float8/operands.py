@@ -168,9 +168,12 @@ def cast_t_with_scale(t: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.
     return cast_tensorwise_t(t, scale, float8_dtype, fused=backend == "compiled")
 
 
-def cast_weight_with_scale(t: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+def cast_weight_with_scale(
+    t: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """A weight (shard) cast with its known scale, outside any compile (FSDP's pre-all-gather):
-    one kernel on CUDA where Triton imports, eager ops elsewhere."""
+    one kernel on CUDA where Triton imports, eager ops elsewhere; written into `out` if given."""
     if _uses_kernels(t, eager_backend(t.device.type, "auto")):
-        return _kernels().cast_tensorwise_layouts(t, float8_dtype, scale=scale)[0]
-    return cast_with_scale(t, scale, float8_dtype)
+        return _kernels().cast_tensorwise_layouts(t, float8_dtype, scale=scale, out=out)[0]
+    data = cast_with_scale(t, scale, float8_dtype)
+    return data if out is None else out.copy_(data)

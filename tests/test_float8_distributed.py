@@ -122,9 +122,9 @@ def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False) ->
     casts = [0]
     plain_cast = float8.fsdp.cast_weight_with_scale
 
-    def counting_cast(*args):
+    def counting_cast(*args, **kwargs):
         casts[0] += 1
-        return plain_cast(*args)
+        return plain_cast(*args, **kwargs)
 
     float8.fsdp.cast_weight_with_scale = counting_cast
     losses, step_all_reduces, precompute_all_reduces, step_casts = [], [], [], []

@@ -203,6 +203,13 @@ def test_fsdp_weight_cast_uses_the_kernel(triton_casts, monkeypatch):
     scale = torch.tensor(1.0)
     assert torch.equal(_bytes(operands.cast_weight_with_scale(shard, scale, E4M3)), _bytes(cast_with_scale(shard, scale, E4M3)))
     assert calls
+    # The kept shard is rewritten in place: the same storage, the new values.
+    kept = torch.empty(40, 64, dtype=E4M3)
+    written = operands.cast_weight_with_scale(2 * shard, scale, E4M3, out=kept)
+    assert written.data_ptr() == kept.data_ptr()
+    assert torch.equal(_bytes(kept), _bytes(cast_with_scale(2 * shard, scale, E4M3)))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        kernels.cast_tensorwise_layouts(shard, E4M3, scale=scale, out=kept[:20])
     # An empty shard (more ranks than rows) takes the reference path.
     assert operands.cast_weight_with_scale(shard[:0], scale, E4M3).shape == (0, 64)
 

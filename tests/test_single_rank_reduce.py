@@ -36,15 +36,17 @@ class _Counting(SingleRankReduceScatter):
 
 
 def _model(shared: bool) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 8))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (1,))  # on the CPU where a GPU is present too
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     if shared:
         use_single_rank_reduction(model)
         for module in model.modules():

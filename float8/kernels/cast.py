@@ -5,7 +5,8 @@ A cast of a 2-D (M, K) tensor is two launches after a zeroed amax buffer: `_amax
 and `_cast_kernel` reads x once more, computes the scales from the amaxes in its prologue
 (every program, so no launch in between), and writes the float8 values row-major and/or
 transposed; the programs on the first row/column of tiles also write the scales and their
-inverses (what torch._scaled_mm takes). Values are bitwise those of float8/scaling.py's
+inverses (what torch._scaled_mm takes). A row-major cast with a given scale (a weight shard's,
+after the optimizer step) is one flat stream instead, `_cast_flat_kernel`. Values are bitwise those of float8/scaling.py's
 reference cast on a GPU; under TRITON_INTERPRET=1 everything but the float8 rounding itself
 is (the interpreter rounds float8 its own way).
 
@@ -23,8 +24,8 @@ from triton.language.extra import libdevice
 
 from float8.scaling import EPS
 
-# Tile of the 2-D kernels, and elements per program of the flat amax.
-BLOCK_M, BLOCK_K, AMAX_BLOCK = 64, 64, 8192
+# Tile of the 2-D kernels, and elements per program of the flat amax and the flat cast.
+BLOCK_M, BLOCK_K, AMAX_BLOCK, CAST_BLOCK = 64, 64, 8192, 4096
 _TRITON_DTYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 # Kernels read module globals only as constexprs.
 _EPS = tl.constexpr(EPS)
@@ -126,6 +127,15 @@ def _cast_kernel(
 
 
 @triton.jit
+def _cast_flat_kernel(x_ptr, out_ptr, scale_ptr, n, DTYPE: tl.constexpr, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """x -> out row-major with a given scale: the weights' cast, a stream the 2-D tiles (64-byte
+    float8 row segments per program) write below the memory bandwidth."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _to_float8(x, tl.load(scale_ptr), FMAX, DTYPE), mask=offs < n)
+
+
+@triton.jit
 def _transpose_kernel(x_ptr, out_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr):
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rk = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)
@@ -162,13 +172,24 @@ def _constants(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> dict:
 
 def cast_tensorwise_layouts(
     x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = False, *, scale: torch.Tensor | None = None,
-    rowmajor: bool = True, transposed: bool = False,
+    rowmajor: bool = True, transposed: bool = False, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """x cast with one scale (its own amax's, or `scale`): (data (M, K) or None, data.T row-major
-    (K, M) or None, 0-dim scale, 0-dim inverse scale or None when the scale was given)."""
+    (K, M) or None, 0-dim scale, 0-dim inverse scale or None when the scale was given). `out`, a
+    contiguous (M, K) float8 tensor, receives the row-major data instead of a new one."""
     m, k = _check_2d(x)
-    data = torch.empty(m, k, dtype=float8_dtype, device=x.device) if rowmajor else None
+    if out is not None and (out.shape != (m, k) or out.dtype != float8_dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous ({m}, {k}) {float8_dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    data = (out if out is not None else torch.empty(m, k, dtype=float8_dtype, device=x.device)) if rowmajor else None
     data_t = torch.empty(k, m, dtype=float8_dtype, device=x.device) if transposed else None
+    if scale is not None and rowmajor and not transposed:
+        if data.numel():
+            constants = _constants(x, float8_dtype, False)
+            _cast_flat_kernel[(triton.cdiv(data.numel(), CAST_BLOCK),)](
+                x, data, scale, data.numel(), DTYPE=constants["DTYPE"], FMAX=constants["FMAX"], BLOCK=CAST_BLOCK,
+                num_warps=8,
+            )
+        return data, None, scale, None
     if scale is None:
         amax = torch.zeros(1, dtype=torch.int32, device=x.device)
         _amax_flat_kernel[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.config import ActivationCheckpointConfig, CompileConfig
 from trainer.distributed.activation_checkpoint import apply_ac
+from trainer.distributed.single_rank_gather import use_single_rank_gather
 from trainer.distributed.single_rank_reduce import use_single_rank_reduction
 
 
@@ -153,5 +154,6 @@ def apply_fsdp(
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     if dp_mesh.size() == 1:
+        use_single_rank_gather(model)
         use_single_rank_reduction(model)
 
