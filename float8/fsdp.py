@@ -13,8 +13,9 @@ Lifecycle of a weight with `fsdp_float8_all_gather=True`::
                               precomputed scale (else one amax all-reduce here), handed
                               to FSDP as uint8 (gloo has no float8)
         fsdp_post_all_gather  wrap the gathered bytes and the scale in a Float8GatheredWeight
-                              (at one rank, trainer/distributed/single_rank_gather.py
-                              makes the kept shard itself those bytes: no copy)
+                              (at one rank the trainer may make the kept shard itself
+                              those bytes, read through `fsdp_all_gather_input_is_kept`:
+                              no copy)
     Float8Linear forward uses that data and scale directly: no cast of the weight.
 
 The two subclasses unwrap to plain tensors for every other op, so optimizers,
