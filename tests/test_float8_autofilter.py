@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from float8 import (
 )
 from float8.autofilter import time_linear_shape
 from models.llama import LLAMA2_FLAVORS
-from tests.helpers import run_train
+from tests.helpers import free_port, run_train
 from trainer.config import Config
 from trainer.float8_training import Float8RunContext, Float8Training
 from trainer.model_setup import build_meta_model
@@ -198,12 +197,6 @@ def test_dry_run_lists_what_it_would_time(capsys):
 # ---------------------------------------------------------------- ranks agree
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_entry(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -221,7 +214,7 @@ def _rank_entry(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_ranks_that_time_differently_take_the_same_decision(tmp_path):
-    mp.spawn(_rank_entry, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank_entry, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results[0] == results[1] == [
         {"bf16_ms": 2.5, "float8_ms": 3.0}, "auto: 64->64 float8 3.00 ms vs bf16 2.50 ms at 64 tokens, not 3% faster"

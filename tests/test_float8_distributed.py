@@ -6,7 +6,6 @@ import copy
 import hashlib
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,19 +14,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.helpers import free_port
+
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(worker, tmp_path: Path, *args) -> dict:
-    mp.spawn(_entry, args=(worker, _free_port(), str(tmp_path), args), nprocs=WORLD, join=True)
+    mp.spawn(_entry, args=(worker, free_port(), str(tmp_path), args), nprocs=WORLD, join=True)
     return json.loads((tmp_path / "result.json").read_text())
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -14,14 +13,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import trainer.distributed.single_rank_gather as single_rank_gather
+from tests.helpers import free_port
 
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _groups(model: nn.Module) -> list:
@@ -123,7 +117,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def test_single_rank_gather_matches_fsdp_and_uses_kept_float8_shards_in_place(tmp_path):
     out = tmp_path / "result.json"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=1, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=1, join=True)
     result = json.loads(out.read_text())
     for name, run in result.items():
         fsdp, single = run["fsdp"], run["single"]

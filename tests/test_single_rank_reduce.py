@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -12,16 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.helpers import free_port
 from trainer.distributed.single_rank_reduce import (
     SingleRankReduceScatter,
     use_single_rank_reduction,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Counting(SingleRankReduceScatter):
@@ -95,7 +89,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def test_single_rank_reduce_matches_fsdp_and_allocates_one_buffer_per_reduction(tmp_path):
     out = tmp_path / "result.json"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=1, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=1, join=True)
     result = json.loads(out.read_text())
     # Gradients of every step and the weights after the last one, bitwise.
     assert result["shared"] == result["default"]
