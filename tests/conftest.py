@@ -32,6 +32,19 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+# Under pytest-xdist each worker takes its share of the cores for torch's intra-op threads, so
+# that busy workers do not oversubscribe them.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    # Every worker imports torch (~0.5 GB) and many tests start 2-4 training processes.
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
 @pytest.fixture(autouse=True)
 def _single_thread_env(monkeypatch):
     # Each test process (and its torchrun children) use few threads on the 2-core CI machine.

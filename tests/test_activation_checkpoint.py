@@ -27,6 +27,8 @@ from tests.helpers import cpu_float8_emulated
 from trainer.distributed.activation_checkpoint import apply_ac
 from trainer.distributed.parallelize import apply_compile
 
+pytestmark = pytest.mark.version_specific
+
 BACKEND = "aot_eager_decomp_partition"
 B, S = 2, 128
 TINY = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=S)

@@ -50,6 +50,7 @@ def models(device: str = "cpu") -> tuple[Transformer, Transformer]:
     return sdpa, flex
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize(("layout", "seqlen"), [("packed", 384), ("unsorted", 384), ("packed", SEQ)])
 def test_document_block_mask_equals_create_block_mask(layout: str, seqlen: int) -> None:
     if layout == "packed":
@@ -76,6 +77,7 @@ def test_document_block_mask_equals_create_block_mask(layout: str, seqlen: int) 
         assert torch.equal(ours.mask_mod(torch.tensor(b), torch.tensor(0), q, kv), dense)
 
 
+@pytest.mark.version_specific
 def test_flex_equals_dense_mask_eager() -> None:
     sdpa, flex = models()
     positions, docs = packed([50, 130, 100, 20], [128, 128, 44])
@@ -89,6 +91,7 @@ def test_flex_equals_dense_mask_eager() -> None:
     assert not torch.allclose(leaky, ref, atol=1e-2)
 
 
+@pytest.mark.version_specific
 def test_flex_equals_dense_mask_in_compiled_blocks_without_recompiling() -> None:
     torch._dynamo.reset()
     sdpa, flex = models()

@@ -115,6 +115,7 @@ def ref2(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.version_specific
 def test_async_saves_keep_latest_k_and_export(ref1):
     assert checkpoints(ref1) == ["final", "step-15", "step-20"]
     assert len(losses(ref1)) == 20
@@ -207,6 +208,7 @@ def test_kill9_during_save_leaves_previous_checkpoint(ref1, tmp_path, point):
     assert not [n for n in os.listdir(folder) if not n.startswith("step-") or not n[5:].isdigit()]
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_stop_at_10_resume_to_20_is_bitwise(ref1, ref2, tmp_path, nproc):
     """10 steps, then a run to 20 from the step-10 checkpoint: the losses of one 20-step run."""
@@ -234,6 +236,7 @@ def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.version_specific
 def test_resume_on_another_dp_degree(ref2, tmp_path):
     """dp=1 x batch 8 -> dp=2 x batch 4 continues the same run; another global batch is refused."""
     leg1 = [*BASE, "--training.batch_size", "8", "--training.steps", "10", "--job.dump_folder", str(tmp_path)]
@@ -345,6 +348,7 @@ def _plant_pickle(step: Path, marker: Path) -> str:
     return key
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("how", ["resume", "initial_load"])
 def test_checkpoint_with_a_pickled_entry_is_refused(ref1, tmp_path, how):
     """A .metadata that marks any entry (here an optimizer step) as bytes would make DCP unpickle it."""
@@ -367,6 +371,7 @@ class _Payload:
         return (os.system, ("touch pwned",))
 
 
+@pytest.mark.version_specific
 def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path, monkeypatch):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Payload()))
     monkeypatch.chdir(tmp_path)

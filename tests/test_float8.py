@@ -36,6 +36,7 @@ def pair(in_f=256, out_f=128, bias=False, dtype=torch.float32, **cfg):
     return ref, f8
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_sqnr_against_fp32(scaling):
     ref, f8 = pair(scaling=scaling)
@@ -63,6 +64,7 @@ def test_rowwise_scales_are_powers_of_two():
     assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_emulate_matches_scaled_mm(scaling):
     if cpu_float8_emulated(scaling):
@@ -74,6 +76,7 @@ def test_emulate_matches_scaled_mm(scaling):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_dtypes_bias_and_3d(dtype, scaling):
@@ -91,6 +94,7 @@ def test_dtypes_bias_and_3d(dtype, scaling):
     assert sqnr(ref.bias.grad, f8.bias.grad) >= 35
 
 
+@pytest.mark.version_specific
 def test_autocast_computes_in_bf16_and_keeps_fp32_grads():
     ref, f8 = pair(bias=True)
     x = torch.randn(32, 256, requires_grad=True)
@@ -111,6 +115,7 @@ def test_frozen_weight_gets_no_grad():
     assert f8.weight.grad is None and x.grad is not None
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("magnitude", [0.0, 1e-30, 1e15])
 def test_extreme_magnitudes_stay_finite(scaling, magnitude):
@@ -125,6 +130,7 @@ def test_extreme_magnitudes_stay_finite(scaling, magnitude):
         assert sqnr(x.detach() @ f8.weight.detach().t(), out) >= 20
 
 
+@pytest.mark.version_specific
 def test_padded_token_dim():
     # 37 tokens: the weight-gradient GEMM pads its contraction dim to a multiple of 16.
     ref, f8 = pair()
@@ -132,6 +138,7 @@ def test_padded_token_dim():
     assert sqnr(run(ref, x, g)[2], run(f8, x, g)[2]) >= 20
 
 
+@pytest.mark.version_specific
 def test_gathered_weight_matches_cast_path():
     # What FSDP's float8 all-gather hands the module: float8 data plus its scale.
     _, f8 = pair()
@@ -230,6 +237,7 @@ def test_meta_conversion_allocates_nothing_and_keeps_parameters():
     assert model.layers[0].w1.weight.device.type == "cpu"
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("all_gather", [False, True])
 def test_state_dict_round_trip(all_gather):
     ref = Model()
@@ -249,6 +257,7 @@ def test_state_dict_round_trip(all_gather):
     back.load_state_dict(sd)
 
 
+@pytest.mark.version_specific
 def test_fsdp_all_gather_weight_trains_like_a_plain_weight():
     # Without FSDP the wrapper is inert: same numbers, and the optimizer steps it.
     _, plain = pair()
@@ -280,6 +289,7 @@ def test_bad_config_raises(kwargs, field):
         Float8Config(**kwargs)
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_compiled_matches_eager_fullgraph(scaling):
     torch.manual_seed(0)
@@ -304,6 +314,7 @@ def test_compiled_matches_eager_fullgraph(scaling):
         assert sqnr(p_e.grad, p_c.grad) >= 30
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_self_compiled_casts_in_eager_match(scaling):
     # "compiled" runs the eager casts as torch.compile'd kernels, on CPU too.
@@ -319,6 +330,7 @@ def test_self_compiled_casts_in_eager_match(scaling):
     assert torch._dynamo.config.recompile_limit == limit
 
 
+@pytest.mark.version_specific
 def test_fsdp_pre_all_gather_pads_uneven_shards_and_round_trips():
     from types import SimpleNamespace
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from tests.helpers import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.version_specific]
 
 WORLD = 2
 

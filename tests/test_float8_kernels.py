@@ -27,6 +27,9 @@ from float8.scaling import (
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the kernels in Triton's interpreter (tests/conftest.py sets it without a GPU)", allow_module_level=True)
+
+pytestmark = pytest.mark.version_specific
+
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 

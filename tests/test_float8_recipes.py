@@ -107,6 +107,7 @@ def _assert_bitwise(actual, expected) -> None:
         assert torch.equal(a, e), f"{name} differs: max |diff| {(a.double() - e.double()).abs().max()}"
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_table_driven_linear_matches_the_explicit_recipe_bitwise(scaling, dtype):
@@ -117,6 +118,7 @@ def test_table_driven_linear_matches_the_explicit_recipe_bitwise(scaling, dtype)
         _assert_bitwise((got[0].reshape(-1, 48), got[1].reshape(-1, 64), got[2]), want)
 
 
+@pytest.mark.version_specific
 def test_gathered_float8_weight_matches_the_explicit_recipe_bitwise():
     x, w, g = _inputs(torch.float32)
     x, g = x.reshape(-1, 64), g.reshape(-1, 48)
@@ -154,6 +156,7 @@ def test_a_new_recipe_is_a_new_table_entry(monkeypatch):
         assert not torch.equal(got[1], ours[1])
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize(
     ("gemm", "message"),
     [
@@ -180,6 +183,7 @@ def test_what_each_recipe_allows():
     assert not _torchao_rowwise_with_gw_hp().weight_gatherable_in_float8
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("rowwise", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_cpu_gemm_is_torchs_scaled_mm(rowwise, out_dtype):

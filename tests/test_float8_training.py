@@ -67,6 +67,7 @@ def test_convert_reports_and_keeps_the_output_layer_in_high_precision():
     assert seam.describe("params float32") == "float8 tensorwise, params float32"
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize(
     ("scaling", "float8_tp", "float8_styles"),
     [("tensorwise", True, True), ("tensorwise", False, False), ("rowwise", True, False)],
@@ -79,6 +80,7 @@ def test_tp_styles_follow_the_recipe_and_the_switch(scaling, float8_tp, float8_s
     assert styles.local_inputs == float8_styles
 
 
+@pytest.mark.version_specific
 def test_float8_tp_styles_fall_back_where_torch_miscompiles_them(monkeypatch):
     cfg = _cfg()
     cfg.training.mixed_precision_param = "float32"
@@ -115,6 +117,7 @@ def test_post_optimizer_step_precomputes_scales_only_for_the_float8_all_gather(m
     assert len(calls) == 2 * int(precomputes)
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize(("device_type", "raised"), [("cuda", True), ("cpu", False)])
 def test_the_recompile_limit_is_raised_by_the_seam_and_said(device_type, raised):
     with torch._dynamo.config.patch(recompile_limit=8):

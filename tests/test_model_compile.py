@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -12,6 +13,7 @@ TINY = LlamaArgs(
 )
 
 
+@pytest.mark.version_specific
 def test_blocks_compile_fullgraph_once_and_match_eager() -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -4,6 +4,8 @@ Every run starts from the same weights (rank 0 initialises on CPU and broadcasts
 reads the same sequences per step whatever the DP degree, so per-step losses must agree.
 """
 
+from collections.abc import Callable
+
 import pytest
 
 from tests.helpers import cpu_float8_emulated, read_metrics, run_train
@@ -18,14 +20,30 @@ BASE = [
 ]
 
 
-def _losses(tmp_path, name: str, args: list[str], nproc: int = 1) -> list[tuple[float, float]]:
-    """(loss, grad_norm) per step: a gradient-scale bug shows in the grad norm at step 1."""
-    dump = tmp_path / name
-    result = run_train([*BASE, "--job.dump_folder", str(dump), *args], nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_metrics(dump)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return [(r["loss"], r["grad_norm"]) for r in rows]
+Losses = list[tuple[float, float]]
+
+
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory) -> Callable[..., Losses]:
+    """(loss, grad_norm) per step of a run: a gradient-scale bug shows in the grad norm at step 1.
+
+    Each distinct run is launched once per module: the one-process references (the same
+    arguments in several tests) are shared by every test that compares a layout against them.
+    """
+    runs: dict[tuple[tuple[str, ...], int], Losses] = {}
+
+    def run(args: list[str], nproc: int = 1) -> Losses:
+        key = (tuple(args), nproc)
+        if key not in runs:
+            dump = tmp_path_factory.mktemp("run")
+            result = run_train([*BASE, "--job.dump_folder", str(dump), *args], nproc=nproc)
+            assert result.returncode == 0, result.stderr[-3000:]
+            rows = read_metrics(dump)
+            assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+            runs[key] = [(r["loss"], r["grad_norm"]) for r in rows]
+        return runs[key]
+
+    return run
 
 
 def _assert_close(a: list[tuple[float, float]], b: list[tuple[float, float]], rtol: float, label: str) -> None:
@@ -46,40 +64,42 @@ FLOAT8 = {
 }
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("precision", list(FLOAT8))
-def test_loss_parity_single_fsdp_tp(tmp_path, precision):
+def test_loss_parity_single_fsdp_tp(losses, precision):
     extra = FLOAT8[precision]
-    single = _losses(tmp_path, "single", ["--training.batch_size", "8", *extra])
+    single = losses(["--training.batch_size", "8", *extra])
     assert single[-1][0] < single[0][0] - 0.3, f"loss did not fall: {single}"
-    fsdp = _losses(tmp_path, "fsdp", ["--training.batch_size", "4", *extra], nproc=2)
-    tp = _losses(
-        tmp_path, "tp", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2", *extra], nproc=2
-    )
+    fsdp = losses(["--training.batch_size", "4", *extra], nproc=2)
+    tp = losses(["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2", *extra], nproc=2)
     _assert_close(single, fsdp, 1e-2, f"{precision} FSDP=2 vs 1 process")
     _assert_close(single, tp, 1e-2, f"{precision} TP=2 vs 1 process")
 
 
-def test_loss_parallel_matches_replicated_logits(tmp_path):
+@pytest.mark.version_specific
+def test_loss_parallel_matches_replicated_logits(losses):
     # The TP runs above use the default loss_parallel (vocab-sharded logits); the same run
     # with full logits on every rank and under the 2-D mesh must give the same losses.
-    single = _losses(tmp_path, "single", ["--training.batch_size", "8"])
-    sharded = _losses(tmp_path, "sharded", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
+    single = losses(["--training.batch_size", "8"])
+    sharded = losses(["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2"],
                       nproc=2)
-    whole = _losses(tmp_path, "whole", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+    whole = losses(["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                                         "--parallelism.loss_parallel", "false"], nproc=2)
     _assert_close(whole, sharded, 1e-3, "TP=2 loss parallel vs replicated logits")
     _assert_close(single, sharded, 1e-2, "TP=2 loss parallel vs 1 process")
 
 
-def test_fsdp_float8_all_gather_same_losses(tmp_path):
+@pytest.mark.version_specific
+def test_fsdp_float8_all_gather_same_losses(losses):
     args = ["--training.batch_size", "4", *FLOAT8["tensorwise"]]
-    off = _losses(tmp_path, "off", [*args, "--float8.fsdp_float8_all_gather", "false"], nproc=2)
-    on = _losses(tmp_path, "on", [*args, "--float8.fsdp_float8_all_gather", "true"], nproc=2)
+    off = losses([*args, "--float8.fsdp_float8_all_gather", "false"], nproc=2)
+    on = losses([*args, "--float8.fsdp_float8_all_gather", "true"], nproc=2)
     _assert_close(off, on, 1e-2, "float8 all-gather on vs off")
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_float8_weights_cast_once_per_step_changes_nothing(tmp_path, layout):
+def test_float8_weights_cast_once_per_step_changes_nothing(losses, layout):
     # The same float8 bytes and scales reach every GEMM whether each weight shard is cast once
     # after the optimizer step or at each all-gather: the runs agree exactly. TP=2 runs FSDP
     # over a data-parallel group of one rank (the single-rank reduction) with the float8 TP styles.
@@ -87,58 +107,61 @@ def test_float8_weights_cast_once_per_step_changes_nothing(tmp_path, layout):
             "--float8.fsdp_float8_all_gather", "true", "--metrics.log_freq", "1"]
     if layout == "tp":
         args += ["--parallelism.tensor_parallel_degree", "2"]
-    per_gather = _losses(tmp_path, "per_gather", [*args, "--float8.cast_weights_once", "false"], nproc=2)
-    once = _losses(tmp_path, "once", [*args, "--float8.cast_weights_once", "true"], nproc=2)
+    per_gather = losses([*args, "--float8.cast_weights_once", "false"], nproc=2)
+    once = losses([*args, "--float8.cast_weights_once", "true"], nproc=2)
     assert once == per_gather
 
 
-def test_compile_modes_same_losses(tmp_path):
+@pytest.mark.version_specific
+def test_compile_modes_same_losses(losses):
     args = ["--training.batch_size", "8", "--model.n_layers", "1"]
-    eager = _losses(tmp_path, "none", args)
+    eager = losses(args)
     for mode in ("block", "model"):
-        compiled = _losses(tmp_path, mode, [*args, "--compile.mode", mode])
+        compiled = losses([*args, "--compile.mode", mode])
         _assert_close(eager, compiled, 1e-2, f"compile {mode} vs none")
 
 
-def test_activation_checkpoint_modes_same_losses(tmp_path):
+@pytest.mark.version_specific
+def test_activation_checkpoint_modes_same_losses(losses):
     args = ["--training.batch_size", "8"]
-    none = _losses(tmp_path, "none", args)
+    none = losses(args)
     for mode, option in (("full", "op"), ("selective", "op"), ("selective", "2")):
-        ac = _losses(tmp_path, f"{mode}{option}", [*args, "--activation_checkpoint.mode", mode,
+        ac = losses([*args, "--activation_checkpoint.mode", mode,
                                                    "--activation_checkpoint.selective_option", option])
         _assert_close(none, ac, 1e-3, f"AC {mode}/{option} vs none")
 
 
-def test_gradient_accumulation_matches_larger_batch(tmp_path):
-    big = _losses(tmp_path, "big", ["--training.batch_size", "8"])
-    accum = _losses(tmp_path, "accum", ["--training.batch_size", "4", "--training.gradient_accumulation_steps", "2"])
+def test_gradient_accumulation_matches_larger_batch(losses):
+    big = losses(["--training.batch_size", "8"])
+    accum = losses(["--training.batch_size", "4", "--training.gradient_accumulation_steps", "2"])
     _assert_close(big, accum, 1e-2, "accumulation 2x4 vs batch 8")
 
 
+@pytest.mark.version_specific
 @pytest.mark.parametrize("precision", ["bf16", "tensorwise"])
-def test_tensor_parallel_with_block_compile(tmp_path, precision):
+def test_tensor_parallel_with_block_compile(losses, precision):
     # Compiled blocks take the embedding's sequence-sharded output as input; its gradient
     # must reach the embedding (torch 2.13 dropped it for a local-tensor input).
     extra = FLOAT8[precision]
-    single = _losses(tmp_path, "single", ["--training.batch_size", "8", *extra])
-    tp = _losses(tmp_path, "tp", ["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
+    single = losses(["--training.batch_size", "8", *extra])
+    tp = losses(["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                                   "--compile.mode", "block", *extra], nproc=2)
     _assert_close(single, tp, 1e-2, f"{precision} TP=2 compiled per block vs 1 process eager")
 
 
-def test_2d_mesh_fsdp_x_tp(tmp_path):
-    single = _losses(tmp_path, "single", ["--training.batch_size", "8"])
-    mesh2d = _losses(
-        tmp_path, "2d", ["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2"], nproc=4
-    )
+@pytest.mark.version_specific
+def test_2d_mesh_fsdp_x_tp(losses):
+    single = losses(["--training.batch_size", "8"])
+    mesh2d = losses(["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2"], nproc=4)
     _assert_close(single, mesh2d, 1e-2, "FSDP=2 x TP=2 vs 1 process")
 
 
-def test_2d_mesh_float8_all_gather_and_block_compile(tmp_path):
+@pytest.mark.version_specific
+def test_2d_mesh_float8_all_gather_and_block_compile(losses):
     # Float8 TP styles, float8 FSDP all-gather and the post-step scale precompute on a 2-D mesh.
     extra = [*FLOAT8["tensorwise"], "--float8.fsdp_float8_all_gather", "true"]
-    single = _losses(tmp_path, "single", ["--training.batch_size", "8", *extra])
-    mesh2d = _losses(tmp_path, "2d", ["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+    single = losses(["--training.batch_size", "8", *extra])
+    mesh2d = losses(["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
                                       "--compile.mode", "block", *extra], nproc=4)
     _assert_close(single, mesh2d, 1e-2, "float8 FSDP=2 x TP=2 compiled vs 1 process eager")
 

@@ -290,7 +290,7 @@ def test_a_real_cpu_trace_is_summarised_by_op(tmp_path):
         (b"not json", "not JSON"),
         (b'{"traceEvents": []}', "not a torch.profiler Chrome trace"),
         (b"[1, 2]", "not a torch.profiler Chrome trace"),
-        (gzip.compress(b"{"), "not JSON"),
+        (gzip.compress(b"{", mtime=0), "not JSON"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, content, message):

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,6 +15,8 @@ from torch import nn
 
 import trainer.distributed.single_rank_gather as single_rank_gather
 from tests.helpers import free_port
+
+pytestmark = pytest.mark.version_specific
 
 STEPS = 4
 

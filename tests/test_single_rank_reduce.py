@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -16,6 +17,8 @@ from trainer.distributed.single_rank_reduce import (
     SingleRankReduceScatter,
     use_single_rank_reduction,
 )
+
+pytestmark = pytest.mark.version_specific
 
 
 class _Counting(SingleRankReduceScatter):

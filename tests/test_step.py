@@ -14,6 +14,8 @@ from torch import nn
 from trainer.metrics.logger import StepTimer
 from trainer.step import StepParts, finish_step, train_step
 
+pytestmark = pytest.mark.version_specific
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
