@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from float8.operands import EAGER_CASTS
-from float8.recipe import RECIPES, Float8Recipe
+from float8.recipe import Float8Recipe, recipe_named
 
 
-@dataclass
+@dataclass(frozen=True)
 class Float8Config:
     """How `convert_to_float8_training` converts linears and how they compute.
 
-    scaling: a recipe of `float8.recipe.RECIPES`: "tensorwise" (one scale per tensor; e4m3
-        forward, e5m2 gradients), "rowwise" (one power-of-two scale per row along each GEMM's
-        contraction dim; all e4m3), "rowwise_gw_hp" (rowwise, but the weight gradient GEMM
-        stays in high precision). docs/float8.md tabulates every cast.
+    Frozen: every converted linear holds the config it was converted with; a different one is
+    a new object (`dataclasses.replace(config, emulate=True)`).
+
+    scaling: the recipe, as a `Float8Recipe` object or the name of a built-in one
+        (`float8.recipe.RECIPES`): "tensorwise" (one scale per tensor; e4m3 forward, e5m2
+        gradients), "rowwise" (one power-of-two scale per row along each GEMM's contraction
+        dim; all e4m3), "rowwise_gw_hp" (rowwise, but the weight gradient GEMM stays in high
+        precision). torchao.float8's names for the first two (strings or its
+        `Float8LinearRecipeName` members) are accepted too. docs/float8.md tabulates every cast.
+        `recipe` is the resolved `Float8Recipe`.
     emulate: float8 rounding with high-precision GEMMs, for hardware without float8 GEMMs.
     fsdp_float8_all_gather: FSDP2 all-gathers weights as float8 (tensorwise only).
     filter_fqns: skip modules whose fully qualified name contains any of these strings; the
@@ -35,17 +42,29 @@ class Float8Config:
         it process-wide (the trainer does); below it, rarer variants run unfused.
     """
 
-    scaling: str = "tensorwise"
+    scaling: str | Float8Recipe = "tensorwise"
     emulate: bool = False
     fsdp_float8_all_gather: bool = False
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    filter_fqns: tuple[str, ...] = ("output",)
     min_features: int = 0
     eager_casts: str = "auto"
     dynamo_recompile_limit: int = 64
+    recipe: Float8Recipe = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.scaling not in RECIPES:
-            raise ValueError(f"Float8Config.scaling must be one of {tuple(RECIPES)}, got {self.scaling!r}")
+        # object.__setattr__: the frozen dataclass's own normalisation, before anyone holds it.
+        if isinstance(self.scaling, enum.Enum):
+            object.__setattr__(self, "scaling", self.scaling.value)
+        if isinstance(self.scaling, Float8Recipe):
+            recipe = self.scaling
+        elif isinstance(self.scaling, str):
+            try:
+                recipe = recipe_named(self.scaling)
+            except ValueError as e:
+                raise ValueError(f"Float8Config.scaling: {e}") from None
+        else:
+            raise ValueError(f"Float8Config.scaling must be a recipe name or a Float8Recipe, got {self.scaling!r}")
+        object.__setattr__(self, "recipe", recipe)
         for name in ("emulate", "fsdp_float8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Float8Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -57,19 +76,15 @@ class Float8Config:
             raise ValueError(
                 f"Float8Config.filter_fqns must be a list of strings, got {self.filter_fqns!r}"
             )
-        self.filter_fqns = list(self.filter_fqns)
+        object.__setattr__(self, "filter_fqns", tuple(self.filter_fqns))
         for name in ("min_features", "dynamo_recompile_limit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Float8Config.{name} must be an int >= 0, got {value!r}")
         if self.eager_casts not in EAGER_CASTS:
             raise ValueError(f"Float8Config.eager_casts must be one of {EAGER_CASTS}, got {self.eager_casts!r}")
-        if self.fsdp_float8_all_gather and not self.recipe.weight_gatherable_in_float8:
+        if self.fsdp_float8_all_gather and not recipe.weight_gatherable_in_float8:
             raise ValueError(
                 "Float8Config.fsdp_float8_all_gather needs a recipe that casts the weight to e4m3 with "
-                f"one scale per tensor in both GEMMs that read it (scaling='tensorwise'), got scaling={self.scaling!r}"
+                f"one scale per tensor in both GEMMs that read it (scaling='tensorwise'), got scaling={recipe.name!r}"
             )
-
-    @property
-    def recipe(self) -> Float8Recipe:
-        return RECIPES[self.scaling]

@@ -255,6 +255,6 @@ class Float8Linear(nn.Linear):
         return out
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, scaling={self.config.scaling}" + (
+        return f"{super().extra_repr()}, scaling={self.config.recipe.name}" + (
             ", emulate=True" if self.config.emulate else ""
         )

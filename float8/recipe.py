@@ -8,13 +8,18 @@ A linear ``out = x @ w.T`` (x: tokens x in, w: out x in) runs three GEMMs, each
     grad_input    grad_x      = grad_out @ w       grad_out    w       "out"
     grad_weight   grad_w      = grad_out.T @ x     grad_out.T  x       "tokens"
 
-A recipe gives each of the six operands a `Cast`; `float8/linear.py` interprets it. A new
-recipe is a new entry of `RECIPES`.
+A recipe gives each of the six operands a `Cast`; `float8/linear.py` interprets it. The
+built-in recipes are `RECIPES` (read-only); a new one is a `Float8Recipe` object passed as
+`Float8Config(scaling=my_recipe)`, no table to edit. `recipe_named` also takes torchao.float8's
+recipe names (strings or its `Float8LinearRecipeName` members).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,11 +65,15 @@ class Gemm:
 
 @dataclass(frozen=True)
 class Float8Recipe:
-    """The casts of the output, grad_input and grad_weight GEMMs of a float8 linear."""
+    """The casts of the output, grad_input and grad_weight GEMMs of a float8 linear.
+
+    name: what reports and `repr` call it; two recipes with the same casts are equal whatever their names.
+    """
 
     output: Gemm
     grad_input: Gemm
     grad_weight: Gemm
+    name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
         for name, axis in (("output", "in"), ("grad_input", "out"), ("grad_weight", "tokens")):
@@ -101,23 +110,47 @@ def _rows(dtype: torch.dtype, over: str) -> Cast:
     return Cast(dtype, amax_over=over, pow2=True)
 
 
-RECIPES: dict[str, Float8Recipe] = {
+_BUILT_IN = (
     # One scale per tensor: the cheapest casts; e5m2 keeps the gradients' range.
-    "tensorwise": Float8Recipe(
+    Float8Recipe(
         output=Gemm(Cast(E4M3), Cast(E4M3), fast_accum=True),
         grad_input=Gemm(Cast(E5M2), Cast(E4M3)),
         grad_weight=Gemm(Cast(E5M2), Cast(E4M3)),
+        name="tensorwise",
     ),
     # One power-of-two scale per row along each GEMM's summed axis, all e4m3: robust to outliers.
-    "rowwise": Float8Recipe(
+    Float8Recipe(
         output=Gemm(_rows(E4M3, "in"), _rows(E4M3, "in"), fast_accum=True),
         grad_input=Gemm(_rows(E4M3, "out"), _rows(E4M3, "out")),
         grad_weight=Gemm(_rows(E4M3, "tokens"), _rows(E4M3, "tokens")),
+        name="rowwise",
     ),
     # rowwise, with the weight gradient in high precision.
-    "rowwise_gw_hp": Float8Recipe(
+    Float8Recipe(
         output=Gemm(_rows(E4M3, "in"), _rows(E4M3, "in"), fast_accum=True),
         grad_input=Gemm(_rows(E4M3, "out"), _rows(E4M3, "out")),
         grad_weight=Gemm(HIGH_PRECISION, HIGH_PRECISION),
+        name="rowwise_gw_hp",
     ),
+)
+RECIPES: Mapping[str, Float8Recipe] = types.MappingProxyType({r.name: r for r in _BUILT_IN})
+
+# torchao.float8's recipe names (Float8LinearRecipeName values) that are not ours. Its
+# "tensorwise" and "rowwise" are ours under the same names. Its "rowwise_with_gw_hp" casts
+# grad_input's weight with one scale per tensor where our rowwise_gw_hp has one per row.
+_TORCHAO_ONLY = {
+    "rowwise_with_gw_hp": "torchao's rowwise_with_gw_hp is not a recipe of this package (our rowwise_gw_hp "
+    "casts grad_input's weight per row, torchao's per tensor): pass 'rowwise_gw_hp', or build torchao's "
+    "casts as a Float8Recipe (docs/float8.md, 'float8/ as a library')",
 }
+
+
+def recipe_named(name: str | enum.Enum) -> Float8Recipe:
+    """The built-in recipe called `name`: ours, or torchao's name (or Float8LinearRecipeName member) for it."""
+    if isinstance(name, enum.Enum):
+        name = name.value
+    if name in RECIPES:
+        return RECIPES[name]
+    if name in _TORCHAO_ONLY:
+        raise ValueError(_TORCHAO_ONLY[name])
+    raise ValueError(f"no float8 recipe named {name!r}: one of {', '.join(RECIPES)}, or a Float8Recipe")

@@ -126,15 +126,6 @@ def cast_colwise_t(
     return data.t().contiguous(), scale.t()
 
 
-def to_float8(
-    x: torch.Tensor, float8_dtype: torch.dtype = E4M3, rowwise: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Public cast: tensorwise, or rowwise along the last dim; returns (data, scale)."""
-    if rowwise:
-        return cast_rowwise(x, -1, float8_dtype)
-    return cast_tensorwise(x, float8_dtype)
-
-
 def from_float8(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Dequantize: the high-precision values the float8 data stands for."""
     return (data.to(torch.float32) / scale).to(dtype)

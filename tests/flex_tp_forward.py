@@ -43,7 +43,7 @@ def main() -> None:
             build_meta_model(args), mesh, tp_styles=PLAIN_TP_STYLES, vocab_sharded_logits=cfg.parallelism.loss_parallel,
             activation_checkpoint=cfg.activation_checkpoint, compile_config=cfg.compile,
             param_dtype=torch.float32, reduce_dtype=torch.float32,
-            reshard_after_forward=cfg.parallelism.reshard_after_forward,
+            reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=False,
         )
         init_weights(model, args, cfg.training.seed, info.device)
         with torch.no_grad():

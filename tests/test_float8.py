@@ -10,7 +10,7 @@ from torch import nn
 
 from float8 import Float8Config, Float8Linear, convert_to_float8_training
 from float8.fsdp import Float8GatheredWeight
-from float8.scaling import E4M3, E5M2, from_float8, to_float8
+from float8.scaling import E4M3, E5M2, cast_rowwise, cast_tensorwise, from_float8
 from tests.helpers import cpu_float8_emulated
 
 SCALINGS = ["tensorwise", "rowwise", "rowwise_gw_hp"]
@@ -53,13 +53,13 @@ def test_single_cast_sqnr(rowwise):
     torch.manual_seed(0)
     x = torch.randn(64, 256) * torch.logspace(-2, 2, 256)
     for float8_dtype in (E4M3, E5M2):
-        data, scale = to_float8(x, float8_dtype, rowwise=rowwise)
+        data, scale = cast_rowwise(x, -1, float8_dtype) if rowwise else cast_tensorwise(x, float8_dtype)
         assert data.dtype == float8_dtype
         assert sqnr(x, from_float8(data, scale, torch.float32)) >= 25
 
 
 def test_rowwise_scales_are_powers_of_two():
-    _, scale = to_float8(torch.randn(8, 32) * 3, rowwise=True)
+    _, scale = cast_rowwise(torch.randn(8, 32) * 3, -1, E4M3)
     assert scale.shape == (8, 1)
     assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
 
@@ -144,7 +144,7 @@ def test_gathered_weight_matches_cast_path():
     _, f8 = pair()
     x, g = torch.randn(32, 256), torch.randn(32, 128)
     expected = run(f8, x, g)
-    data, scale = to_float8(f8.weight.detach())
+    data, scale = cast_tensorwise(f8.weight.detach(), E4M3)
     gathered = copy.deepcopy(f8)
     gathered.weight = nn.Parameter(Float8GatheredWeight(data, scale, torch.float32))
     out, gx, gw = run(gathered, x, g)

@@ -139,13 +139,12 @@ def _torchao_rowwise_with_gw_hp() -> Float8Recipe:
     )
 
 
-def test_a_new_recipe_is_a_new_table_entry(monkeypatch):
-    monkeypatch.setitem(RECIPES, "torchao_rowwise_with_gw_hp", _torchao_rowwise_with_gw_hp())
+def test_a_new_recipe_is_an_object_passed_in_the_config():
     x, w, g = _inputs(torch.float32)
     x, g = x.reshape(-1, 64), g.reshape(-1, 48)
     ours = reference("rowwise_gw_hp", x, w, g, emulate=True)
     for emulate in _emulations("rowwise"):
-        got = _run(_linear(w, Float8Config(scaling="torchao_rowwise_with_gw_hp", emulate=emulate)), x, g)
+        got = _run(_linear(w, Float8Config(scaling=_torchao_rowwise_with_gw_hp(), emulate=emulate)), x, g)
         # Only grad_x's weight cast differs from rowwise_gw_hp: one power-of-two scale per tensor.
         wf, ws = _cast(w, E4M3, pow2=True)
         gf, gs = _cast(g, E4M3, -1, pow2=True)

@@ -104,15 +104,23 @@ def test_single_rank_reduce_matches_fsdp_and_allocates_one_buffer_per_reduction(
     assert result["chunk_cats"] == [9, 0]
 
 
-def test_copy_in_of_larger_groups_is_fsdps_chunk_cat():
-    from trainer.distributed.single_rank_reduce import _copy_in
+def test_copy_in_is_fsdps_except_into_a_single_rank_buffer(monkeypatch):
+    """The process-wide copy-in replacement changes only the reductions of SingleRankReduceScatter's
+    buffers: larger groups and plain FSDP2 modules at one rank (the fast path off) keep FSDP's."""
+    from trainer.distributed import single_rank_reduce
 
+    fsdp_calls = []
+    monkeypatch.setattr(single_rank_reduce, "_FSDP_COPY_IN", lambda g, out, w: fsdp_calls.append((out, w)))
     grads = [torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)]
-    out = torch.empty(18)
-    _copy_in(grads, out, 2)
-    assert torch.equal(out, torch._chunk_cat(grads, 0, 2).float().flatten())
-    _copy_in(grads, out, 1)
-    assert torch.equal(out, torch.cat([g.float().flatten() for g in grads]))
+    foreign = torch.empty(18)
+    single_rank_reduce._copy_in(grads, foreign, 2)
+    single_rank_reduce._copy_in(grads, foreign, 1)
+    assert [(out is foreign, w) for out, w in fsdp_calls] == [(True, 2), (True, 1)]
+    own = SingleRankReduceScatter().allocate((18,), dtype=torch.float32, device=torch.device("cpu"))
+    single_rank_reduce._copy_in(grads, own, 1)
+    assert len(fsdp_calls) == 2
+    assert torch.equal(own, torch.cat([g.float().flatten() for g in grads]))
+    assert torch.equal(own, torch._chunk_cat(grads, 0, 1).float().flatten())
 
 
 def test_refuses_a_group_of_more_than_one():

@@ -7,6 +7,7 @@ import torch
 from models.llama import num_params
 from trainer.config import Config, check_layout
 from trainer.distributed.memory_plan import check_plan
+from trainer.distributed.single_rank_fast_path import choose_fast_path
 from trainer.float8_training import Float8RunContext, Float8Training
 from trainer.launch import launch_world_size, launched_by_torchrun, pick_device_type
 from trainer.log import info
@@ -47,6 +48,8 @@ def print_plan(cfg: Config) -> None:
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun():
         layout += " (dp = -1 takes the rest of the world at launch)"
+    if fast_path := choose_fast_path(cfg.parallelism.single_rank_fast_path, dp).text:
+        layout += f"; {fast_path}"
     lines = [
         f"dry run: llama2 {cfg.model.flavor}",
         f"  parameters        {facts.n_params:,} ({without_embedding:,} without the embedding)",

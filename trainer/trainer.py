@@ -24,6 +24,7 @@ from trainer.data.tokenizer import Tokenizer
 from trainer.distributed import process_group
 from trainer.distributed.memory_plan import check_plan
 from trainer.distributed.parallelize import parallelize_llama
+from trainer.distributed.single_rank_fast_path import choose_fast_path
 from trainer.errors import UserError
 from trainer.float8_training import Float8RunContext, Float8Training
 from trainer.launch import launch_world_size, pick_device_type
@@ -79,7 +80,7 @@ class Trainer:
             activation_checkpoint=cfg.activation_checkpoint, compile_config=cfg.compile,
             param_dtype=TORCH_DTYPES[self.param_precision.dtype],
             reduce_dtype=TORCH_DTYPES[cfg.training.mixed_precision_reduce],
-            reshard_after_forward=cfg.parallelism.reshard_after_forward,
+            reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=self.fast_path.on,
         )
         init_weights(self.model, self.model_args, cfg.training.seed, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -117,9 +118,9 @@ class Trainer:
         self.world_size = launch_world_size()
         self.dp, self.tp = check_layout(cfg, self.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
         self.vocab_sharded_logits = self.tp > 1 and cfg.parallelism.loss_parallel
+        self.fast_path = choose_fast_path(cfg.parallelism.single_rank_fast_path, self.dp)
         self.dist = process_group.init_distributed(device_type)
-        self.device = self.dist.device
-        self.is_main = self.dist.is_main
+        self.device, self.is_main = self.dist.device, self.dist.is_main
         # Before the data is read and any weight allocated: a plan whose memory cannot fit is
         # refused with the numbers (trainer/distributed/memory_plan.py).
         self.memory, _ = check_plan(
@@ -140,8 +141,7 @@ class Trainer:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
                 cfg.validation, self._loader(cfg.validation.path, 0, "validation.path"), cfg.training.steps,
-                device=self.device,
-                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
+                device=self.device, dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
 
@@ -170,7 +170,7 @@ class Trainer:
         peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
         lines = startup_summary(
             self.facts, self.cfg, self.model_args.n_layers, self.model_args.attention, f"{self.device_name} ({peak})",
-            self.float8.describe(params), self.memory.summary(),
+            self.float8.describe(params), self.memory.summary(), self.fast_path.text,
         )
         for line in lines + self.float8.summary_lines():
             info(line)

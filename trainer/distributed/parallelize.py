@@ -25,8 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.config import ActivationCheckpointConfig, CompileConfig
 from trainer.distributed.activation_checkpoint import apply_ac
-from trainer.distributed.single_rank_gather import use_single_rank_gather
-from trainer.distributed.single_rank_reduce import use_single_rank_reduction
+from trainer.distributed.single_rank_fast_path import apply_fast_path
 
 
 @dataclass(frozen=True)
@@ -57,10 +56,13 @@ def parallelize_llama(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
+    single_rank_fast_path: bool,
 ) -> nn.Module:
     """Apply TP, AC, compile and FSDP2 to a (meta) LLaMA in the fixed order.
 
     vocab_sharded_logits: TP with loss parallel, the output logits stay sharded on the vocab.
+    single_rank_fast_path: FSDP2 with the one-rank patches (trainer/distributed/single_rank_fast_path.py,
+    whose `choose_fast_path` decides it); False is plain FSDP2.
     """
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], tp_styles, loss_parallel=vocab_sharded_logits)
@@ -69,6 +71,8 @@ def parallelize_llama(
     if compile_config.mode != "none":
         apply_compile(model, compile_config.mode, compile_config.backend)
     apply_fsdp(model, mesh["dp"], param_dtype, reduce_dtype, reshard_after_forward)
+    if single_rank_fast_path:
+        apply_fast_path(model)
     return model
 
 
@@ -153,7 +157,4 @@ def apply_fsdp(
         # The last block's weights are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    if dp_mesh.size() == 1:
-        use_single_rank_gather(model)
-        use_single_rank_reduction(model)
 

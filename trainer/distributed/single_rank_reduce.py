@@ -11,14 +11,17 @@ values: a cast is a cast), and the output of a reduce-scatter of one rank *is* i
 so (2) gets the input's buffer as its output; FSDP's copy is then `x.copy_(x)`, which
 does nothing, and the gradients are views of the input.
 
-(1) replaces FSDP2's module-level `foreach_reduce_scatter_copy_in` for groups of one rank
-(other groups keep FSDP's); tests/test_single_rank_reduce.py checks the gradients bitwise
+(1) replaces FSDP2's module-level `foreach_reduce_scatter_copy_in` (the function has no
+per-module hook); the replacement copies in only into a buffer a `SingleRankReduceScatter`
+allocated, so every other FSDP module in the process (of more ranks, or plain FSDP2 with the
+fast path off) keeps FSDP's. tests/test_single_rank_reduce.py checks the gradients bitwise
 against FSDP's own reduction on every supported torch.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -29,10 +32,12 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 _FSDP_COPY_IN = _fsdp_collectives.foreach_reduce_scatter_copy_in
+# The reduction inputs SingleRankReduceScatter allocated, by id (a WeakSet would compare tensors with ==).
+_OWN_INPUTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def _copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
-    if world_size != 1:
+    if world_size != 1 or _OWN_INPUTS.get(id(reduce_scatter_input)) is not reduce_scatter_input:
         return _FSDP_COPY_IN(unsharded_grads, reduce_scatter_input, world_size)
     views = torch.split(reduce_scatter_input, [g.numel() for g in unsharded_grads])
     torch._foreach_copy_([v.view(g.shape) for v, g in zip(views, unsharded_grads)], unsharded_grads)
@@ -53,6 +58,7 @@ class SingleRankReduceScatter(ReduceScatter):
             self._input = None
             return pending.view(*size)
         self._input = torch.empty(*size, dtype=dtype, device=device)
+        _OWN_INPUTS[id(self._input)] = self._input
         return self._input
 
     def __call__(
