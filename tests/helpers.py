@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +27,8 @@ def run_train(
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
+    if nproc == 1 and script == "train.py" and _forkable(full_env):
+        return _run_train_forked(args, timeout, full_env)
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
@@ -33,6 +37,74 @@ def run_train(
             f"--master_port={free_port()}", script, *args,
         ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+# A one-process train.py run is forked from a server process that has imported torch and the
+# trainer once per test worker, instead of a new interpreter paying ~2-5 s of imports per run on
+# 2 cores. The server never runs a test or a torch op, so each fork starts as clean as a new
+# process; runs whose environment differs from the server's (variables read at import time)
+# and multi-process runs take a real subprocess.
+_IMPORT_TIME_ENV_IGNORED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE"}
+_forkserver_env: dict[str, str] | None = None
+
+
+def _forkserver() -> multiprocessing.context.BaseContext:
+    global _forkserver_env
+    context = multiprocessing.get_context("forkserver")
+    if _forkserver_env is None:
+        context.set_forkserver_preload(["torch", "train", "trainer.trainer", "trainer.dry_run"])
+        _forkserver_env = dict(os.environ)
+    return context
+
+
+def _forkable(env: dict[str, str]) -> bool:
+    if _forkserver_env is None:
+        return True
+    keys = (env.keys() | _forkserver_env.keys()) - _IMPORT_TIME_ENV_IGNORED
+    return all(env.get(k) == _forkserver_env.get(k) for k in keys)
+
+
+def _train_main_in_fork(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    """What `python train.py ARGS` does from its `__main__` block, in a forked child."""
+    os.chdir(ROOT)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout.reconfigure(write_through=True)
+    sys.stderr.reconfigure(write_through=True)
+    sys.argv = ["train.py", *args]
+    multiprocessing.set_start_method(None, force=True)  # a new process's default, not the server's
+    import torch
+
+    import train
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    try:
+        code = train.main(args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        code = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_train_forked(args: list[str], timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+    context = _forkserver()
+    with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:
+        child = context.Process(target=_train_main_in_fork, args=(args, env, out.name, err.name))
+        child.start()
+        child.join(timeout)
+        cmd = [sys.executable, "train.py", *args]
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(cmd, timeout, out.read(), err.read())
+        return subprocess.CompletedProcess(cmd, child.exitcode, out.read(), err.read())
 
 
 def write_lock(folder: Path, pid: int) -> Path:

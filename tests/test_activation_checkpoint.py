@@ -91,6 +91,7 @@ def _assert_grads_close(grads: list[torch.Tensor], ref: list[torch.Tensor], prec
         torch.testing.assert_close(g, r, rtol=tol, atol=tol, msg=lambda m, i=i: f"grad {i}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_full_ac_compiled_block_keeps_only_its_inputs(precision):
     saved, inputs, grads, ref = _measure(precision, "full")
@@ -102,6 +103,7 @@ def test_full_ac_compiled_block_keeps_only_its_inputs(precision):
     _assert_grads_close(grads, ref, precision)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_selective_ac_compiled_block_keeps_gemm_and_attention_outputs(precision):
     saved, inputs, grads, ref = _measure(precision, "selective")

@@ -181,6 +181,7 @@ def test_warning_reaches_the_user(tmp_path):
     assert "fsdp_float8_all_gather" not in result.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_warnings():
     result = run_train(["--float8.enabled", "true", "--float8.filter_fqns", "output,wq", "--job.dry_run", "true"])
     assert result.returncode == 0, result.stderr

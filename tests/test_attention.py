@@ -77,6 +77,7 @@ def test_document_block_mask_equals_create_block_mask(layout: str, seqlen: int) 
         assert torch.equal(ours.mask_mod(torch.tensor(b), torch.tensor(0), q, kv), dense)
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 def test_flex_equals_dense_mask_eager() -> None:
     sdpa, flex = models()
@@ -91,6 +92,7 @@ def test_flex_equals_dense_mask_eager() -> None:
     assert not torch.allclose(leaky, ref, atol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 def test_flex_equals_dense_mask_in_compiled_blocks_without_recompiling() -> None:
     torch._dynamo.reset()

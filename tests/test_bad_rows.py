@@ -61,6 +61,7 @@ def take(dl, n: int) -> list[list[list[int]]]:
 # -- before the first step ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "row", "bad", "problem"), [
     ("pretrain", doc, BAD_JSON, JSON_PROBLEM),
     ("pretrain", doc, NOT_UTF8, f"not valid UTF-8 (byte 0xe9 at column {NOT_UTF8_COLUMN})"),
@@ -124,6 +125,7 @@ def test_a_long_check_reports_progress(tok, tmp_path, monkeypatch, capsys):
 # -- skipped ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_skipped_rows_are_warned_once_and_counted(tmp_path):
     data = write_rows(tmp_path / "data.jsonl", 1500, {3: BAD_JSON, 5: NOT_UTF8, 751: b'{"body": "x"}'})
     dump = tmp_path / "run"
@@ -185,6 +187,7 @@ def test_sft_skips_bad_rows_in_place_and_resumes_exactly(tok, tmp_path, capsys):
 # -- met mid-run --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_bad_row_met_mid_run_saves_the_last_step_and_names_it(tmp_path):
     data = write_rows(tmp_path / "data.jsonl", 60, {40: BAD_JSON})
     dump = tmp_path / "run"
@@ -210,6 +213,7 @@ def test_a_bad_row_met_mid_run_saves_the_last_step_and_names_it(tmp_path):
     assert [r["step"] for r in rows][-1] == failed + 1 and rows[-1]["data/bad_rows"] == 1
 
 
+@pytest.mark.slow
 def test_without_checkpoints_the_message_says_so(tmp_path):
     data = write_rows(tmp_path / "data.jsonl", 60, {40: BAD_JSON})
     proc = run_train(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--data.path", str(data),
@@ -217,6 +221,7 @@ def test_without_checkpoints_the_message_says_so(tmp_path):
     assert error_line(proc).endswith("no checkpoint (checkpointing disabled) (data.bad_rows = \"skip\" skips such rows)")
 
 
+@pytest.mark.slow
 def test_a_bad_row_in_the_first_batches_names_step_1(tmp_path):
     data = write_rows(tmp_path / "data.jsonl", 60, {2: b'{"text": 3}'})
     proc = run_train(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--data.path", str(data)],
@@ -234,6 +239,7 @@ def test_stream_state_counts_each_pass(tok, tmp_path, monkeypatch):
     assert streamed.dataset.stats() == checked.dataset.stats()
 
 
+@pytest.mark.slow
 def test_checkpoint_from_before_bad_row_counting_resumes(tmp_path):
     # Checkpoints written before data.bad_rows existed have no bad_rows in the loader state.
     dump = tmp_path / "run"

@@ -55,6 +55,7 @@ def test_ours_and_torchao_agree(mode):
         assert min(_sqnr(ref, a), _sqnr(ref, b)) >= 15.0
 
 
+@pytest.mark.slow
 def test_smoke_runs_both_implementations(tmp_path):
     pytest.importorskip("torchao.float8")
     out = tmp_path / "bench.json"

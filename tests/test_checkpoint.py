@@ -115,6 +115,7 @@ def ref2(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 def test_async_saves_keep_latest_k_and_export(ref1):
     assert checkpoints(ref1) == ["final", "step-15", "step-20"]
@@ -124,6 +125,7 @@ def test_async_saves_keep_latest_k_and_export(ref1):
     assert extra["train_state"]["step"] == 20 and extra["global_batch"] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigterm_saves_and_resume_is_bitwise(ref1, ref2, tmp_path, nproc):
     """SIGTERM (to the worker processes under torchrun) -> finish the step, save, exit 0; resume is exact."""
@@ -149,6 +151,7 @@ def continue_run(ref: Path, dump: Path) -> None:
     shutil.copy(ref / "run_id", dump / "run_id")
 
 
+@pytest.mark.slow
 def test_load_step_resumes_an_older_async_checkpoint(ref1, tmp_path):
     shutil.copytree(ref1 / "checkpoints", tmp_path / "checkpoints")
     continue_run(ref1, tmp_path)
@@ -182,6 +185,7 @@ sys.exit(train.main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["write", "publish"])
 def test_kill9_during_save_leaves_previous_checkpoint(ref1, tmp_path, point):
     """SIGKILL before the shards of step-5.partial are written, or after but before its rename:
@@ -208,6 +212,7 @@ def test_kill9_during_save_leaves_previous_checkpoint(ref1, tmp_path, point):
     assert not [n for n in os.listdir(folder) if not n.startswith("step-") or not n[5:].isdigit()]
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_stop_at_10_resume_to_20_is_bitwise(ref1, ref2, tmp_path, nproc):
@@ -222,6 +227,7 @@ def test_stop_at_10_resume_to_20_is_bitwise(ref1, ref2, tmp_path, nproc):
     assert losses(tmp_path) == losses(ref1 if nproc == 1 else ref2)
 
 
+@pytest.mark.slow
 def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path):
     log = tmp_path / "run.log"
     proc = start_train([*BASE, "--checkpoint.enable", "false", "--training.steps", "20",
@@ -236,6 +242,7 @@ def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 def test_resume_on_another_dp_degree(ref2, tmp_path):
     """dp=1 x batch 8 -> dp=2 x batch 4 continues the same run; another global batch is refused."""
@@ -295,6 +302,7 @@ def _damage_rng_file(step: Path) -> list[str]:
     return []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("damage", "expected"), [
     (_damage_layers, "has 18 weights this model lacks, e.g. 'layers.2."),
     (_damage_truncate, "cannot be loaded"),
@@ -348,6 +356,7 @@ def _plant_pickle(step: Path, marker: Path) -> str:
     return key
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 @pytest.mark.parametrize("how", ["resume", "initial_load"])
 def test_checkpoint_with_a_pickled_entry_is_refused(ref1, tmp_path, how):
@@ -380,6 +389,7 @@ def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path, monkeypatch):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.slow
 def test_export_converts_to_hf_and_initial_weights_load(ref1, tmp_path):
     """The fp32 export, its HF conversion and the DCP checkpoint start a run from the same weights."""
     export = ref1 / "checkpoints" / "final" / "model.safetensors"

@@ -62,6 +62,7 @@ def listing_matches(step: Path) -> None:
 # -- checksums -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bit_rot_in_a_shard_is_refused_naming_the_file_and_the_older_steps(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, *CKPT]
@@ -89,6 +90,7 @@ def test_bit_rot_in_a_shard_is_refused_naming_the_file_and_the_older_steps(tmp_p
     assert ", checksums " in resumed.stdout.split("checkpoint loaded:")[1].splitlines()[0]
 
 
+@pytest.mark.slow
 def test_checkpoint_without_checksums_loads_with_one_warning(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, *CKPT]
@@ -132,6 +134,7 @@ def test_listing_refuses_missing_added_truncated_and_damaged_files(tmp_path):
         checksums.read(tmp_path)
 
 
+@pytest.mark.slow
 def test_two_ranks_list_every_rank_s_files_and_stop_together_on_damage(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, *CKPT, "--checkpoint.async_mode", "async"]
@@ -185,6 +188,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_full_disk_stops_with_one_line_and_the_rerun_resumes(tmp_path, small_disk, async_mode):
     disk, grow = small_disk

@@ -118,6 +118,7 @@ def test_save_writes_complete_checkpoints_and_keeps_the_latest_k(tmp_path, token
     assert extra["dataloader"]["dataset_state"]["windows"] == 4 * BATCH
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 def test_resume_restores_model_optimizer_schedule_and_loader_bitwise(tmp_path, tokenizer):
     """Steps 3 and 4 resumed from step-2 give the losses and weights of one uninterrupted run."""

@@ -356,6 +356,7 @@ TABLE: dict[str, Case] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TABLE))
 def test_fault(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     case = TABLE[name]

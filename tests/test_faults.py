@@ -55,6 +55,7 @@ def poisoned_run(args: list[str], attempts: str) -> subprocess.CompletedProcess:
 # -- 1. non-finite loss or gradient --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nonfinite_grad_stops_the_run_and_keeps_the_healthy_checkpoint(tmp_path):
     dump = tmp_path / "run"
     proc = run_train(["--job.dump_folder", str(dump), *SMALL, *CKPT, "--optimizer.lr", "1e6",
@@ -67,6 +68,7 @@ def test_nonfinite_grad_stops_the_run_and_keeps_the_healthy_checkpoint(tmp_path)
     assert [r["step"] for r in strict_rows(dump)] == [1]
 
 
+@pytest.mark.slow
 def test_skipped_step_is_retried_counted_and_resumable(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, *CKPT, "--training.skip_nonfinite_steps", "1"]
@@ -85,6 +87,7 @@ def test_skipped_step_is_retried_counted_and_resumable(tmp_path):
     assert last["step"] == 5 and last["skipped_steps"] == 0 and last["loss"] < rows[0]["loss"]
 
 
+@pytest.mark.slow
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, *CKPT, "--training.skip_nonfinite_steps", "1"]
@@ -120,6 +123,7 @@ def test_nonfinite_weights_are_counted():
 # -- 2. unusable dump folder ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dump_folder_that_is_a_file_is_refused(tmp_path):
     target = tmp_path / "taken"
     target.write_text("not a folder")
@@ -128,6 +132,7 @@ def test_dump_folder_that_is_a_file_is_refused(tmp_path):
     assert target.read_text() == "not a folder"
 
 
+@pytest.mark.slow
 def test_dump_folder_under_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     target = tmp_path / "file" / "run"
@@ -147,6 +152,7 @@ def test_read_only_dump_folder_is_refused(tmp_path):
     assert line.startswith(f"error: job.dump_folder '{target}' is not a writable folder (PermissionError"), line
 
 
+@pytest.mark.slow
 def test_missing_parents_of_the_dump_folder_are_created(tmp_path):
     dump = tmp_path / "a" / "b" / "run"
     ok(run_train(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "1"]))
@@ -157,6 +163,7 @@ def test_missing_parents_of_the_dump_folder_are_created(tmp_path):
 # -- 3. sequences beyond the model's length ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_seq_len_beyond_the_flavour_is_refused(tmp_path):
     line = error_line(run_train(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--training.seq_len", "4096"]))
     assert line == ("error: training.seq_len = 4096 exceeds the max_seq_len 2048 of model.flavor 'debug'; shorten "
@@ -177,6 +184,7 @@ def test_max_seq_len_override_sizes_the_model():
 # -- 4. changed settings on resume ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_changed_lr_and_schedule_on_resume_warn_and_config_records_what_is_used(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, *CKPT, "--lr_scheduler.warmup_steps", "2"]
@@ -202,6 +210,7 @@ def test_changed_lr_and_schedule_on_resume_warn_and_config_records_what_is_used(
     assert not list(dump.glob("previous-*"))
 
 
+@pytest.mark.slow
 def test_checkpoint_without_the_saved_schedule_still_resumes(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, *CKPT]
@@ -218,6 +227,7 @@ def test_checkpoint_without_the_saved_schedule_still_resumes(tmp_path):
     assert "warning:" not in proc.stderr and "resumed from checkpoint at step 2" in proc.stdout
 
 
+@pytest.mark.slow
 def test_checkpoint_with_a_bad_schedule_is_refused(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, *CKPT]
@@ -234,6 +244,7 @@ def test_checkpoint_with_a_bad_schedule_is_refused(tmp_path):
 # -- 5. earlier runs' records --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fresh_run_moves_the_previous_records_aside_once_its_inputs_are_valid(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, "--metrics.enable_tensorboard", "true", "--job.run_name", "r"]
@@ -265,6 +276,7 @@ def test_move_previous_records_numbers_after_the_highest(tmp_path):
 # -- 6. two runs in one dump folder -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_live_run_holding_the_folder_stops_the_second(tmp_path):
     dump = tmp_path / "run"
     lock = write_lock(dump, os.getpid())
@@ -276,6 +288,7 @@ def test_a_live_run_holding_the_folder_stops_the_second(tmp_path):
     assert lock.read_text() == held and sorted(p.name for p in dump.iterdir()) == [".lock"]
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_and_released(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -288,6 +301,7 @@ def test_a_stale_lock_is_taken_over_and_released(tmp_path):
     assert not (dump / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_lock_is_released_after_an_error(tmp_path):
     dump = tmp_path / "run"
     error_line(run_train(["--job.dump_folder", str(dump), *SMALL, "--data.path", str(tmp_path / "nope.jsonl")]))

@@ -289,6 +289,7 @@ def test_bad_config_raises(kwargs, field):
         Float8Config(**kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_compiled_matches_eager_fullgraph(scaling):
@@ -314,6 +315,7 @@ def test_compiled_matches_eager_fullgraph(scaling):
         assert sqnr(p_e.grad, p_c.grad) >= 30
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_self_compiled_casts_in_eager_match(scaling):

@@ -162,6 +162,7 @@ def test_on_cpu_auto_converts_what_the_rules_convert():
     assert _seam("cpu", filter="rules").filter_note is None
 
 
+@pytest.mark.slow
 def test_trainer_on_the_debug_config_says_auto_needs_a_gpu(tmp_path):
     result = run_train([
         "--config", "configs/debug.toml", "--float8.enabled", "true", "--float8.filter", "auto",

@@ -103,6 +103,7 @@ def test_underflow_warns_once_per_layer_and_operand():
     assert warnings[0].startswith("float8 health: 0 input: 5.08% of its non-zero values flushed to zero")
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 def test_arming_leaves_eager_and_compiled_training_bitwise_unchanged():
     def make() -> nn.Module:
@@ -144,6 +145,7 @@ def _run(tmp_path, name: str, *extra: str, nproc: int = 1) -> list[dict]:
     return read_metrics(dump)
 
 
+@pytest.mark.slow
 def test_trainer_logs_health_every_n_steps_without_changing_training(tmp_path):
     plain = _run(tmp_path, "plain")
     probed = _run(tmp_path, "probed", "--metrics.float8_stats_freq", "2", "--metrics.log_freq", "3",
@@ -166,6 +168,7 @@ def test_trainer_logs_health_every_n_steps_without_changing_training(tmp_path):
     assert [e.step for e in acc.Scalars("float8/worst/input/amax")] == [2, 4]
 
 
+@pytest.mark.slow
 def test_health_under_activation_checkpointing_and_accumulation_changes_nothing(tmp_path):
     args = ("--activation_checkpoint.mode", "full", "--training.gradient_accumulation_steps", "2",
             "--training.steps", "2")
@@ -183,6 +186,7 @@ def _two_rank_worker(rank: int) -> dict:
     return monitor.collect().metrics
 
 
+@pytest.mark.slow
 def test_collect_reduces_over_ranks(tmp_path):
     from tests.test_float8_distributed import _spawn
 
@@ -193,6 +197,7 @@ def test_collect_reduces_over_ranks(tmp_path):
     assert m["float8/0/input/scale"] == pytest.approx(E4M3_MAX / 2000.0, rel=1e-7)  # the smaller one
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 def test_layouts_agree_on_health(tmp_path):
     """Step 1's global batch split over FSDP=2 (float8 all-gather) or TP=2 gives the stats of one rank:

@@ -160,6 +160,7 @@ def test_missing_torchao_is_one_line(tmp_path, monkeypatch):
                                      '(No module named torchao): pip install -e ".[reference]"')
 
 
+@pytest.mark.slow
 def test_ours_never_imports_torchao():
     code = textwrap.dedent("""
         import sys

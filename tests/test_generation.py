@@ -36,6 +36,7 @@ def eos_mid_way(model: Transformer, row: int, at: int) -> int:
     return tokens[at]
 
 
+@pytest.mark.slow
 def test_greedy_with_cache_equals_recompute_batched_and_alone() -> None:
     model = debug_model()
     reference = generate_without_cache(model, PROMPTS, max_new_tokens=24, eos_id=2)
@@ -56,6 +57,7 @@ def test_eos_and_max_seq_len_stop_rows_as_without_cache() -> None:
     assert generate(model, PROMPTS, max_new_tokens=40, eos_id=eos, batch_size=2) == reference
 
 
+@pytest.mark.slow
 def test_eos_mid_way_in_fixed_batches_keeps_the_other_rows_going() -> None:
     model = debug_model()
     # Row 0 ends at its 11th token, between two stop checks; the rows beside it continue.
@@ -78,6 +80,7 @@ def test_decoding_stops_at_the_first_stop_check_after_every_row_ended(monkeypatc
     assert len(steps) == STOP_CHECK_EVERY - 1
 
 
+@pytest.mark.slow
 def test_sampling_draws_the_same_tokens_with_and_without_cache() -> None:
     model = debug_model()
 
@@ -92,6 +95,7 @@ def test_sampling_draws_the_same_tokens_with_and_without_cache() -> None:
     assert sampled(generate, batch_size=4) == reference
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_equals_recompute() -> None:
     torch._dynamo.reset()
     model = debug_model()
@@ -100,6 +104,7 @@ def test_compiled_decode_step_equals_recompute() -> None:
     assert generate(model, PROMPTS[:6], max_new_tokens=20, eos_id=2, compile_decode=True) == reference
 
 
+@pytest.mark.slow
 def test_decode_compiles_once_and_prefill_once_per_bucket() -> None:
     torch._dynamo.reset()
     model = debug_model()

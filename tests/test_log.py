@@ -75,6 +75,7 @@ logging.getLogger("torch.distributed.tensor").error("torch failed")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank_env", ["0", "1"])
 def test_library_warnings_once_from_rank_zero(rank_env):
     env = {**os.environ, "RANK": rank_env, "WORLD_SIZE": "2"}

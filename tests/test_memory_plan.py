@@ -122,6 +122,7 @@ def test_debug_configs_fit_this_cpu(path):
     assert error is None and est.total < 1 * GIB
 
 
+@pytest.mark.slow
 def test_a_plan_that_cannot_fit_is_refused_before_the_model_is_built(tmp_path):
     start = time.monotonic()
     result = run_train([
@@ -137,6 +138,7 @@ def test_a_plan_that_cannot_fit_is_refused_before_the_model_is_built(tmp_path):
     assert elapsed < 60
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_estimate_and_refuses_on_its_device(tmp_path):
     ok = run_train(["--config", "configs/debug.toml", "--job.dry_run", "true"])
     assert ok.returncode == 0, ok.stderr
@@ -148,6 +150,7 @@ def test_dry_run_prints_the_estimate_and_refuses_on_its_device(tmp_path):
     assert big.returncode == 2 and big.stderr.startswith("error: the plan needs about "), big.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for hosts without a GPU")
 def test_dry_run_of_a_gpu_plan_on_a_cpu_host_warns():
     result = run_train(["--config", "configs/7b_fp8.toml", "--job.dry_run", "true"])
@@ -156,6 +159,7 @@ def test_dry_run_of_a_gpu_plan_on_a_cpu_host_warns():
     assert "warning: on this host (no GPU) the plan needs about" in result.stdout
 
 
+@pytest.mark.slow
 def test_startup_summary_shows_the_estimate(tmp_path):
     result = run_train([
         "--config", "configs/debug.toml", "--training.steps", "1", "--job.dump_folder", str(tmp_path / "dump"),

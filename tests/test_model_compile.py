@@ -13,6 +13,7 @@ TINY = LlamaArgs(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.version_specific
 def test_blocks_compile_fullgraph_once_and_match_eager() -> None:
     torch._dynamo.reset()

@@ -157,6 +157,7 @@ def test_2d_mesh_fsdp_x_tp(losses):
 
 
 @pytest.mark.version_specific
+@pytest.mark.timeout(600)  # four processes compiling on 2 cores while another worker runs
 def test_2d_mesh_float8_all_gather_and_block_compile(losses):
     # Float8 TP styles, float8 FSDP all-gather and the post-step scale precompute on a 2-D mesh.
     extra = [*FLOAT8["tensorwise"], "--float8.fsdp_float8_all_gather", "true"]

@@ -44,6 +44,7 @@ def test_explicit_bf16_on_slow_cpu_warns_and_is_kept(cpu):
     assert resolve_param_precision("float32", "cpu").warning is None
 
 
+@pytest.mark.slow
 def test_avx2_cpu_trains_in_float32_and_says_why(tmp_path):
     # ATEN_CPU_CAPABILITY makes torch run (and report) its AVX2 kernels on any x86 CPU.
     env = {"ATEN_CPU_CAPABILITY": "avx2"}

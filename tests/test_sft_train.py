@@ -96,6 +96,7 @@ def test_batched_generation_equals_one_by_one():
     assert batched == alone and all(len(o) == 6 for o in batched)
 
 
+@pytest.mark.slow
 def test_7b_sft_config_dry_run():
     proc = run_train(["--config", "configs/7b_sft_fp8.toml", "--job.dry_run", "true"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -114,6 +115,7 @@ def test_eval_bad_input_is_one_line(capsys, argv, message):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+@pytest.mark.slow
 def test_short_sft_run_then_eval_and_generate(tmp_path):
     dump = str(tmp_path)
     proc = run_train(["--config", SFT, "--job.dump_folder", dump, "--training.steps", "30",

@@ -118,6 +118,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_single_rank_gather_matches_fsdp_and_uses_kept_float8_shards_in_place(tmp_path):
     out = tmp_path / "result.json"
     mp.spawn(_worker, args=(free_port(), str(out)), nprocs=1, join=True)

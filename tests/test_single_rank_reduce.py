@@ -90,6 +90,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_single_rank_reduce_matches_fsdp_and_allocates_one_buffer_per_reduction(tmp_path):
     out = tmp_path / "result.json"
     mp.spawn(_worker, args=(free_port(), str(out)), nprocs=1, join=True)

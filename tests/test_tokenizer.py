@@ -71,6 +71,7 @@ def test_corrupt_file(tmp_path: Path) -> None:
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_shipped_model_is_reproducible(tmp_path: Path) -> None:
     out = tmp_path / "tokenizer.model"
     subprocess.run(

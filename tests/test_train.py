@@ -4,11 +4,14 @@ import json
 import math
 import os
 
+import pytest
+
 from tests.helpers import read_metrics, run_train
 from trainer.metrics.logger import METRIC_KEYS
 from trainer.precision import resolve_param_precision
 
 
+@pytest.mark.slow
 def test_short_run_writes_outputs_and_loss_falls(tmp_path):
     dump = tmp_path / "run"
     result = run_train([
@@ -38,6 +41,7 @@ def test_short_run_writes_outputs_and_loss_falls(tmp_path):
     assert "model llama2 debug" in result.stdout and "tokens per step 512" in result.stdout
 
 
+@pytest.mark.slow
 def test_tensorboard_tags_match_metric_keys(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -55,6 +59,7 @@ def test_tensorboard_tags_match_metric_keys(tmp_path):
     assert acc.Scalars("loss/loss")[0].step == 1
 
 
+@pytest.mark.slow
 def test_bad_data_path_exits_2(tmp_path):
     result = run_train(["--job.dump_folder", str(tmp_path), "--data.path", str(tmp_path / "nope.jsonl")])
     assert result.returncode == 2
@@ -62,6 +67,7 @@ def test_bad_data_path_exits_2(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_bad_jsonl_line_names_file_and_line(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
@@ -70,12 +76,14 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path):
     assert "d.jsonl:2: not valid JSON" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_missing_tokenizer_exits_2(tmp_path):
     result = run_train(["--job.dump_folder", str(tmp_path), "--model.tokenizer_path", str(tmp_path / "t.model")])
     assert result.returncode == 2
     assert "t.model" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_empty_dataset_exits_2(tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text("")
@@ -85,6 +93,7 @@ def test_empty_dataset_exits_2(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_missing_text_field_names_file_and_line(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")

@@ -115,6 +115,7 @@ def test_validation_loss_is_the_same_across_layouts(tmp_path):
     assert sorted(untouched) == [1, 3, 4] and {s: trained[s] for s in untouched} == untouched
 
 
+@pytest.mark.slow
 def test_sft_validation_reports_response_accuracy(tmp_path):
     result = run_train([
         "--config", "configs/debug_sft.toml", *VALIDATED[:-6], "--validation.path", "data/sft/eval.jsonl",
@@ -131,6 +132,7 @@ def test_sft_validation_reports_response_accuracy(tmp_path):
     assert f"accuracy {accuracy:.4f}" in result.stdout
 
 
+@pytest.mark.slow
 def test_validation_without_a_path_is_one_line(tmp_path):
     result = run_train(["--validation.enable", "true", "--validation.path", "", "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 2

@@ -137,6 +137,7 @@ def test_bad_inputs_exit_2_with_one_line(
         assert err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_cli_prints_no_traceback(tmp_path: Path) -> None:
     script = ROOT / "scripts" / "convert_weights.py"
     argv = ["--from", "meta", "--to", "hf", str(tmp_path / "missing"), str(tmp_path / "out")]

@@ -36,6 +36,7 @@ def hf_logits(model: torch.nn.Module, tokens: torch.Tensor, **kwargs: torch.Tens
         return model(input_ids=tokens, use_cache=False, **kwargs).logits
 
 
+@pytest.mark.slow
 def test_import_from_transformers_gives_same_logits(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(**hf_config_from_args(TINY))
     hf = transformers.LlamaForCausalLM(config).float().eval()

@@ -56,6 +56,7 @@ def step_3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dump / "checkpoints" / "step-3"
 
 
+@pytest.mark.slow
 def test_trainer_checkpoint_exports_to_transformers(step_3: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     convert("--from", "dcp", "--to", "hf", "--flavor", "debug", str(step_3), str(tmp_path / "hf"))
@@ -72,6 +73,7 @@ def test_trainer_checkpoint_exports_to_transformers(step_3: Path, tmp_path: Path
         torch.testing.assert_close(theirs, ours(tokens), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_hf_to_dcp_starts_training_like_hf(step_3: Path, tmp_path: Path) -> None:
     convert("--from", "dcp", "--to", "hf", "--flavor", "debug", str(step_3), str(tmp_path / "hf"))
     convert("--from", "hf", "--to", "dcp", str(tmp_path / "hf"), str(tmp_path / "dcp"))
@@ -83,6 +85,7 @@ def test_hf_to_dcp_starts_training_like_hf(step_3: Path, tmp_path: Path) -> None
     assert losses["hf"] == losses["dcp"] == losses["checkpoint"], losses
 
 
+@pytest.mark.slow
 def test_hf_config_that_does_not_fit_the_model_stops_the_run(tmp_path: Path) -> None:
     # Same shapes as the model, another RoPE base: loading it would train a different model.
     theirs = dataclasses.replace(ARGS, rope_theta=500000.0)
