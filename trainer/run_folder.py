@@ -93,7 +93,7 @@ def check_not_locked_by_another_run(folder: Path, option: str, within: Path | No
     """Refuse `folder` when it, or a folder it lies in (below `within`, when given), is locked by another live run."""
     places = [folder, *folder.parents]
     if within is not None:
-        places = [p for p in places if _inside(p, within) and p.resolve() != within.resolve()]
+        places = [p for p in places if inside(p, within) and p.resolve() != within.resolve()]
     for place in places:
         owner = _live_foreign_owner(place / LOCK_NAME)
         if owner is not None:
@@ -137,7 +137,8 @@ def release_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _inside(path: Path, folder: Path) -> bool:
+def inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies in it (links resolved)."""
     return path.resolve() == folder.resolve() or folder.resolve() in path.resolve().parents
 
 
@@ -152,7 +153,7 @@ def claim(folder: str, checkpoint_folder: Path | None = None) -> Iterator[None]:
     """
     path = Path(folder)
     check_writable(path)
-    outside = checkpoint_folder is not None and not _inside(checkpoint_folder, path)
+    outside = checkpoint_folder is not None and not inside(checkpoint_folder, path)
     if outside:
         check_writable(checkpoint_folder, "checkpoint.folder")
     locks: list[Path] = []
@@ -176,12 +177,47 @@ def move_previous_records(folder: Path) -> Path | None:
 
     Returns the folder they went to, or None when there was nothing to keep.
     """
-    present = [folder / name for name in RECORDS if (folder / name).exists()]
+    return set_aside(folder, [folder / name for name in RECORDS], copy=False)
+
+
+def set_aside(folder: Path, paths: list[Path], copy: bool) -> Path | None:
+    """Move (or copy) those of `paths` that exist into the next free ``<folder>/previous-N/``.
+
+    Returns the folder they went to, or None when none existed.
+    """
+    present = [p for p in paths if p.exists()]
     if not present:
         return None
     taken = [int(p.name.split("-", 1)[1]) for p in folder.glob("previous-*") if p.name.split("-", 1)[1].isdigit()]
     target = folder / f"previous-{max(taken, default=0) + 1}"
     target.mkdir()
     for path in present:
-        shutil.move(str(path), str(target / path.name))
+        if not copy:
+            shutil.move(str(path), str(target / path.name))
+        elif path.is_dir():
+            shutil.copytree(path, target / path.name, symlinks=True)
+        else:
+            shutil.copy2(path, target / path.name)
     return target
+
+
+class FolderWatch:
+    """Notices that a folder a run writes into was deleted, or replaced by another of its name.
+
+    Files opened in a deleted folder still take writes, which go nowhere: without this, a run
+    whose dump folder was removed would finish with every record lost and exit 0.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._identity = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.folder)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def gone(self) -> bool:
+        return self._stat() != self._identity

@@ -17,6 +17,7 @@ from models.llama import num_params
 from trainer.checkpoint.context import CheckpointContext
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Config, check_layout, to_toml
+from trainer.crash import raise_thread_failure
 from trainer.data.exchange import world_exchange
 from trainer.data.loader import build_dataloader
 from trainer.data.sft import SFTOptions
@@ -42,7 +43,7 @@ from trainer.model_setup import build_meta_model, init_weights, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.precision import TORCH_DTYPES, resolve_param_precision
 from trainer.run_facts import RunFacts, startup_summary
-from trainer.run_folder import move_previous_records
+from trainer.run_folder import RECORDS, FolderWatch, inside, move_previous_records, set_aside
 from trainer.step import LoopProgress, StepOutcome, StepParts, finish_step, skip_or_stop, train_step
 from trainer.train_state import StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
@@ -211,6 +212,22 @@ class Trainer:
             f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)"
         )
 
+    def _stop_on_deleted_dump_folder(self) -> None:
+        """Stop in one line when the dump folder was deleted during the run, saving the last step where
+        the checkpoint folder lay outside it (inside, the checkpoints went with it)."""
+        dump, folder, step = Path(self.cfg.job.dump_folder), self.checkpointer.folder, self.state.step
+        if not self.cfg.checkpoint.enable:
+            saved = "no checkpoint (checkpointing disabled)"
+        elif inside(folder, dump):
+            saved = f"no checkpoint saved (checkpoint.folder {folder} was inside it)"
+        else:
+            self.checkpointer.maybe_save(self.data_state, force=True)
+            saved = f"checkpoint of step {step} saved in {folder}"
+        raise UserError(
+            f"job.dump_folder '{dump}' was deleted or replaced during the run (noticed after step {step}): its "
+            f"metrics.jsonl, config.toml and .lock are gone; {saved}"
+        )
+
     def _open_records(self, resumed: bool) -> MetricsLogger:
         """The run's first writes, once every input (data, tokenizer, checkpoint) has been accepted:
         a fresh run moves an earlier run's records aside instead of overwriting them, and config.toml
@@ -220,11 +237,17 @@ class Trainer:
         if self.is_main:
             if resumed:
                 info(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})")
+                if self.checkpointer.rolled_back_from:
+                    # The replaced run's metrics past this step are about to be cut: a copy keeps them.
+                    kept = set_aside(dump, [dump / name for name in RECORDS], copy=True)
+                    if kept is not None:
+                        info(f"the replaced run's records in {dump} were copied to {kept}")
             else:
                 kept = move_previous_records(dump)
                 if kept is not None:
                     info(f"the previous run's records in {dump} were moved to {kept}")
             (dump / "config.toml").write_text(config_text)
+            self.dump_watch = FolderWatch(dump)
         return MetricsLogger(str(dump), self.facts.run_name, self.cfg.metrics.enable_tensorboard, self.is_main,
                              config_text=config_text, resume_step=self.state.step if resumed else None)
 
@@ -340,7 +363,11 @@ class Trainer:
 
     def _save_or_stop(self) -> bool:
         """Save when due (or asked to stop, or at the last step); True when the run stops on request."""
-        stop = self.stop_request.agreed()
+        stop, dump_gone = self.stop_request.agreed(self.is_main and self.dump_watch.gone())
+        if dump_gone:
+            self._stop_on_deleted_dump_folder()
+        # An exception that ended a background thread (TensorBoard's writer on a full disk) ends the run.
+        raise_thread_failure()
         step = self.state.step
         self.checkpointer.maybe_save(self.data_state, force=stop or step == self.cfg.training.steps)
         if stop and self.is_main:

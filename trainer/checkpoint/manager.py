@@ -60,6 +60,7 @@ from trainer.checkpoint.schema import EXTRA_FILE
 from trainer.checkpoint.state import ModelAndOptimizer, nonfinite_weights
 from trainer.errors import UserError
 from trainer.log import info, warn
+from trainer.run_folder import set_aside
 
 
 class CheckpointManager:
@@ -82,6 +83,8 @@ class CheckpointManager:
         self.cfg = context.config
         self.folder = context.folder
         self.last_loaded: Path | None = None
+        # After a rollback (checkpoint.load_step): the newer steps of the run it replaces.
+        self.rolled_back_from: list[int] = []
         # After a resume: the checkpoint's optimizer settings, in force whatever the config says.
         self.optimizer_in_force: dict[str, Any] = {}
         self._pending: tuple[Any, Path, Path, float, int] | None = None
@@ -293,6 +296,7 @@ class CheckpointManager:
         if path is not None and ctx.run is not None:
             # Before anything in the folder is touched: it may be another run's.
             check_owner(path, self.folder, ctx.run, self.cfg.resume_from_other_run)
+        self._set_aside_newer(self.cfg.load_step)
         if self.cfg.enable and ctx.is_main:
             for stale in leftovers(self.folder):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -325,14 +329,19 @@ class CheckpointManager:
         if load_step not in found:
             have = ", ".join(str(s) for s in found) or "none"
             raise UserError(f"checkpoint.load_step = {load_step}: no such checkpoint in {self.folder} (found: {have})")
-        newer = [s for s in found if s > load_step]
-        if newer and self.context.is_main:
-            warn(
-                f"checkpoint.load_step = {load_step}: newer checkpoints ({', '.join(map(str, newer))}) "
-                f"in {self.folder} belong to the run being replaced; a restart without load_step would "
-                "resume from them, so delete them once this run has saved"
-            )
+        self.rolled_back_from = [s for s in found if s > load_step]
         return found[load_step]
+
+    def _set_aside_newer(self, load_step: int) -> None:
+        """A rollback (checkpoint.load_step) keeps the replaced run's newer checkpoints: before anything is
+        written they move to previous-N/, where neither a resume nor the rotation finds them."""
+        newer = self.rolled_back_from
+        if newer and self.context.is_main:
+            kept = set_aside(self.folder, [self.folder / f"step-{s}" for s in newer], copy=False)
+            warn(
+                f"checkpoint.load_step = {load_step}: the newer checkpoints ({', '.join(map(str, newer))}) "
+                f"of the run being replaced were moved to {kept}"
+            )
 
     # -- export --------------------------------------------------------------
 
