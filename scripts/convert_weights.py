@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer, initialized_model
-from models.llama.weight_conversion import StateDict, WeightsError, check_state_dict
+from models.llama.weight_conversion import StateDict, WeightsError, check_finite, check_state_dict
 from models.llama.weight_files import FORMATS, load_tensor_file, read_weights, write_weights
 from trainer.checkpoint.dcp_reader import (
     dcp_model_prefix,
@@ -171,6 +171,8 @@ def convert(opts: argparse.Namespace) -> None:
         args, state_dict = read_dcp(opts.src, opts.flavor)
     else:
         args, state_dict = read_weights(opts.src_format, opts.src)
+    # Checked before any cast (a cast can turn a huge weight into inf) and before anything is written.
+    check_finite(state_dict, str(opts.src))
     if opts.dtype is not None:
         state_dict = {key: t.to(DTYPES[opts.dtype]) for key, t in state_dict.items()}
     if opts.dst_format == "dcp":
@@ -191,4 +193,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))
