@@ -171,7 +171,7 @@ def convert(opts: argparse.Namespace) -> None:
         args, state_dict = read_dcp(opts.src, opts.flavor)
     else:
         args, state_dict = read_weights(opts.src_format, opts.src)
-    # Checked before any cast (a cast can turn a huge weight into inf) and before anything is written.
+    # Before anything is written: a converted copy of damaged weights would pass for healthy ones.
     check_finite(state_dict, str(opts.src))
     if opts.dtype is not None:
         state_dict = {key: t.to(DTYPES[opts.dtype]) for key, t in state_dict.items()}

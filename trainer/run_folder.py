@@ -44,6 +44,29 @@ def check_writable(folder: Path, option: str = "job.dump_folder") -> None:
         raise UserError(f"{option} '{folder}' is not a writable folder ({describe_error(e)})") from None
 
 
+def _checkpoint_around(folder: Path) -> Path | None:
+    """The checkpoint (a DCP folder, or one with checksums.json) that `folder` is or lies in, if any."""
+    for place in [folder, *folder.parents]:
+        if (place / ".metadata").is_file() or (place / "checksums.json").is_file():
+            return place
+    return None
+
+
+def check_own_folder(folder: Path) -> None:
+    """Refuse a dump folder that is not a folder of its own: the current folder or one above it (a fresh
+    run would move the user's config.toml into previous-N/), a checkpoint or a folder in one (its
+    checksums would no longer match)."""
+    cwd = Path.cwd().resolve()
+    if inside(cwd, folder):
+        raise UserError(f"job.dump_folder '{folder}' is the current folder or holds it: a fresh run moves "
+                        "config.toml, metrics.jsonl and tb/ found there into previous-N/; give the run a folder "
+                        "of its own, such as outputs/<name>")
+    checkpoint = _checkpoint_around(folder.resolve())
+    if checkpoint is not None:
+        raise UserError(f"job.dump_folder '{folder}' lies in the checkpoint {checkpoint}: files written there would "
+                        "make it unloadable (they are not in its checksums.json); use a folder outside it")
+
+
 def _owner() -> dict[str, Any]:
     pid = os.getpid()
     return {"host": socket.gethostname(), "pid": pid, "proc_start": process_start_time(pid),
@@ -152,6 +175,7 @@ def claim(folder: str, checkpoint_folder: Path | None = None) -> Iterator[None]:
     Either way it may not be, or lie in, a folder another live run holds.
     """
     path = Path(folder)
+    check_own_folder(path)
     check_writable(path)
     outside = checkpoint_folder is not None and not inside(checkpoint_folder, path)
     if outside:
@@ -159,6 +183,8 @@ def claim(folder: str, checkpoint_folder: Path | None = None) -> Iterator[None]:
     locks: list[Path] = []
     try:
         if launch_rank() == 0:
+            # Also a folder above it: a live run's dump or checkpoint folder.
+            check_not_locked_by_another_run(path, "job.dump_folder")
             locks.append(acquire_lock(path))
             if checkpoint_folder is not None:
                 # Outside: it may lie in another live run's dump folder. Inside: another run may

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from models.llama import num_params
-from trainer.checkpoint.context import CheckpointContext
+from trainer.checkpoint.context import CheckpointContext, checkpoint_folder
+from trainer.checkpoint.folder import step_folders
+from trainer.checkpoint.initial_weights import check_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Config, check_layout, to_toml
 from trainer.crash import raise_thread_failure
@@ -115,6 +117,7 @@ class Trainer:
         self.param_precision = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args_for(cfg, self.tokenizer.n_words, device_type)
+        self._check_initial_weights_fit()
         self.world_size = launch_world_size()
         self.dp, self.tp = check_layout(cfg, self.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
         self.vocab_sharded_logits = self.tp > 1 and cfg.parallelism.loss_parallel
@@ -129,6 +132,15 @@ class Trainer:
         seed_everything(cfg.training.seed, cfg.training.deterministic)
         self.mesh = process_group.build_mesh(device_type, self.dp, self.tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()
+
+    def _check_initial_weights_fit(self) -> None:
+        """Initial weights that a fresh run will load must fit model.flavor: checked from their metadata
+        before any model is built (a larger flavour than the weights' would be allocated first)."""
+        ckpt = self.cfg.checkpoint
+        path = Path(ckpt.initial_load_path) if ckpt.initial_load_path else None
+        resumes = ckpt.enable and bool(step_folders(checkpoint_folder(self.cfg)))
+        if path is not None and path.exists() and not resumes:
+            check_weights_fit(path, ckpt.initial_load_format, self.model_args, "checkpoint.initial_load_path")
 
     def _build_data(self) -> None:
         cfg = self.cfg
