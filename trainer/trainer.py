@@ -18,7 +18,7 @@ from trainer.checkpoint.context import CheckpointContext, checkpoint_folder
 from trainer.checkpoint.folder import step_folders
 from trainer.checkpoint.initial_weights import check_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Config, check_layout, to_toml
+from trainer.config import Config, check_layout, notes, to_toml
 from trainer.crash import raise_thread_failure
 from trainer.data.exchange import world_exchange
 from trainer.data.loader import build_dataloader
@@ -74,7 +74,7 @@ class Trainer:
                             cfg.training.seq_len),
         )
         # Before any weight is allocated: the advice refuses float8 on GPUs without float8 GEMMs.
-        self.advice = self.float8.advice(self.device, self.dp, self.tp)
+        self.advice = [*notes(cfg), *self.float8.advice(self.device, self.dp, self.tp)]
         if self.param_precision.warning:
             self.advice.insert(0, self.param_precision.warning)
         self.model = parallelize_llama(

@@ -18,6 +18,8 @@ AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
 Float8Filter = Literal["rules", "auto"]
 Float8Impl = Literal["ours", "torchao"]
+# float8.operands.EAGER_CASTS (tests/test_config.py holds the two equal).
+Float8EagerCasts = Literal["auto", "triton", "compiled", "plain"]
 CompileMode = Literal["none", "block", "model"]
 ActivationCheckpointMode = Literal["none", "full", "selective"]
 ParamDtype = Literal["auto", "bfloat16", "float32"]
@@ -116,6 +118,11 @@ class Float8TrainingConfig:
         "the run's tokens per micro-batch (eager or compiled as compile.mode), beats bf16 (on CPU: as rules).",
     )
     # Trainer-only: which implementation the trainer's float8 seam runs (trainer/float8_reference.py: torchao).
+    eager_casts: Float8EagerCasts = _opt(
+        "auto", "How float8 casts run outside torch.compile: triton (one kernel per cast; CUDA), compiled "
+                "(torch.compile'd casts), plain (eager ops), or auto (triton on CUDA where Triton imports, else "
+                "compiled on CUDA, plain on CPU). docs/float8.md."
+    )
     impl: Float8Impl = _opt(
         "ours",
         "Float8 implementation: ours = this repository's float8/ package; torchao = the reference library "
