@@ -17,7 +17,9 @@ from trainer.run_facts import RunFacts
 
 
 def _planned_world_size(cfg: Config) -> int:
-    """torchrun's world, or, planned without it, the layout the config names."""
+    """job.dry_run_world_size when given, else torchrun's world, or, planned without it, the layout the config names."""
+    if cfg.job.dry_run_world_size:
+        return cfg.job.dry_run_world_size
     if launched_by_torchrun():
         return launch_world_size()
     dp, tp = cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree
@@ -45,7 +47,7 @@ def print_plan(cfg: Config) -> None:
     impl = f" ({cfg.float8.impl})" if cfg.float8.impl != "ours" else ""
     precision = f"float8 {facts.float8_recipe}{impl}" if facts.float8_recipe else params.dtype
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
-    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun():
+    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not cfg.job.dry_run_world_size:
         layout += " (dp = -1 takes the rest of the world at launch)"
     lines = [
         f"dry run: llama2 {cfg.model.flavor}",
