@@ -21,6 +21,10 @@ import hashlib
 import json
 import os
 import random
+import re
+import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
@@ -34,6 +38,8 @@ DEFAULTS = {
     "max_file_bytes": 1_000_000,
     "exclude": ["site-packages", "dist-packages", "__pycache__"],
 }
+# The kernel's filesystems: no text files, and some files never end.
+SPECIAL_FILESYSTEMS = ("/proc", "/sys", "/dev")
 SKIPS = ("not UTF-8", "empty", "over --max-file-bytes", "unreadable", "duplicate text")
 
 
@@ -84,14 +90,70 @@ def glob_root(pattern: str) -> str:
     return str(PurePath(*fixed)) if fixed else "."
 
 
+def _component_regex(part: str) -> str:
+    """A regex for one path component of a glob and the `/` after it: `*` and `?` stay within the
+    component, `[...]` as fnmatch, `**` any number of folders."""
+    if part == "**":
+        return "(?:[^/]*/)*"
+    out, i = [], 0
+    while i < len(part):
+        c = part[i]
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and "]" in part[i + 2:]:
+            end = part.index("]", i + 2)
+            body = part[i + 1:end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out) + "/"
+
+
+def _walk(root: str, pattern: str) -> Iterator[str]:
+    """The files under `root` that match the recursive glob `pattern`, in a walk that never follows a
+    link to a folder (a link loop would be walked forever) and never enters the kernel's special
+    filesystems; hidden files and folders (a leading dot) are left out unless the pattern names one,
+    as glob does."""
+    rest = PurePath(os.path.relpath(pattern, root) if root != "." else pattern).as_posix()
+    *folders, last = rest.split("/")
+    # The last component names the file: no "/" after it, and a last `**` matches any path.
+    body = "".join(map(_component_regex, folders)) + (".*" if last == "**" else _component_regex(last)[:-1])
+    regex = re.compile(body + r"\Z", re.S)
+    hidden = "/." in "/" + rest
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if (hidden or not d.startswith("."))
+                         and os.path.realpath(os.path.join(folder, d)) not in SPECIAL_FILESYSTEMS)
+        for name in sorted(files):
+            path = os.path.join(folder, name)
+            rel = PurePath(os.path.relpath(path, root)).as_posix()
+            if (hidden or not name.startswith(".")) and regex.match(rel):
+                yield path
+
+
+def check_not_special(pattern: str) -> None:
+    """Refuse a pattern whose fixed part lies in /proc, /sys or /dev: their files are the kernel's, not text."""
+    real = os.path.realpath(glob_root(pattern))
+    for special in SPECIAL_FILESYSTEMS:
+        if real == special or real.startswith(special + "/"):
+            raise BadArgs(f"--from-files {pattern}: {special} is a special filesystem of the kernel (its files are "
+                          "not text, and some never end); give folders of text files")
+
+
 def matched_files(patterns: list[str], exclude: list[str]) -> tuple[list[tuple[str, str]], int]:
     """(path, path relative to its glob's root) of the files matched, in pattern then name order,
-    each file once (by resolved path); and how many were left out by `exclude`."""
+    each file once (by resolved path); and how many were left out by `exclude`. Only regular files
+    are read (not a FIFO, which would block, nor a device)."""
     seen: set[str] = set()
     found, excluded = [], 0
     for pattern in patterns:
+        check_not_special(pattern)
         root = glob_root(pattern)
-        for path in sorted(glob.glob(pattern, recursive=True)):
+        paths = _walk(root, pattern) if "**" in pattern else glob.glob(pattern)
+        for path in sorted(paths):
             if not os.path.isfile(path):
                 continue
             real = os.path.realpath(path)
@@ -129,6 +191,21 @@ class Split:
                 f"(skipped: {skips})")
 
 
+class Progress:
+    """A line on stderr every few seconds while the files are read: a large tree takes minutes."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.last = total, 0, time.monotonic()
+
+    def tick(self) -> None:
+        self.done += 1
+        if time.monotonic() - self.last >= self.EVERY_S:
+            self.last = time.monotonic()
+            print(f"read {self.done} of {self.total} files", file=sys.stderr, flush=True)
+
+
 def read_document(path: str, max_bytes: int) -> tuple[str | None, str | None]:
     """(text, None) for a usable file, else (None, why it is skipped)."""
     try:
@@ -156,7 +233,9 @@ def build(args: argparse.Namespace) -> tuple[Split, Split, int]:
         more = f" ({excluded} under --exclude directories)" if excluded else ""
         raise BadArgs(f"no file matches {' '.join(args.from_files)}{more}")
     texts: set[bytes] = set()
+    progress = Progress(len(files))
     for path, rel in files:
+        progress.tick()
         split = heldout if is_heldout(rel, args.heldout_pct) else train
         split.files += 1
         text, why = read_document(path, args.max_file_bytes)
@@ -186,14 +265,38 @@ def build(args: argparse.Namespace) -> tuple[Split, Split, int]:
 
 def write_shards(split: Split) -> None:
     """Replace the split's earlier <name>-*.jsonl shards with its documents, one {"text": ...} a line."""
-    split.folder.mkdir(parents=True, exist_ok=True)
-    for path in split.folder.glob(f"{split.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"):
-        path.unlink()
-    per = -(-len(split.docs) // split.shards)
-    for i in range(split.shards):
-        with open(split.folder / f"{split.name}-{i:05d}.jsonl", "w", encoding="utf-8", newline="\n") as f:
-            for d in split.docs[i * per:(i + 1) * per]:
-                f.write(json.dumps({"text": d}) + "\n")
+    replace_shards(split.folder, split.name, split.docs, split.shards)
+
+
+def replace_shards(folder: Path, name: str, docs: list[str], shards: int) -> list[Path]:
+    """Write `docs` as `shards` files <name>-NNNNN.jsonl in `folder`, replacing its earlier ones; the paths.
+
+    Every new shard is written in full under a temporary name first: a failure (a full disk) removes
+    them and leaves the earlier corpus as it was. Then each is renamed over its old name, and earlier
+    shards beyond the new count are removed.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    earlier = set(folder.glob(f"{name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))
+    per = -(-len(docs) // shards)
+    written: list[tuple[Path, Path]] = []
+    try:
+        for i in range(shards):
+            final = folder / f"{name}-{i:05d}.jsonl"
+            temporary = folder / f".{final.name}.{os.getpid()}.partial"
+            written.append((temporary, final))
+            with open(temporary, "w", encoding="utf-8", newline="\n") as f:
+                for d in docs[i * per:(i + 1) * per]:
+                    f.write(json.dumps({"text": d}) + "\n")
+    except BaseException:
+        for temporary, _ in written:
+            temporary.unlink(missing_ok=True)
+        raise
+    for temporary, final in written:
+        os.replace(temporary, final)
+        earlier.discard(final)
+    for old in earlier:
+        old.unlink()
+    return [final for _, final in written]
 
 
 def write(train: Split, heldout: Split, excluded: int) -> None:

@@ -19,7 +19,6 @@ whole files held out by a hash of their path below the glob's root; see scripts/
 """
 
 import argparse
-import json
 import random
 import re
 import sys
@@ -273,15 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     docs = make_docs(3000 if args.docs is None else args.docs, args.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    for path in earlier:
-        path.unlink()
-    per = -(-len(docs) // args.shards)
-    for i in range(args.shards):
-        path = out / f"{args.name}-{i:05d}.jsonl"
-        with open(path, "w", encoding="utf-8", newline="\n") as f:
-            for d in docs[i * per:(i + 1) * per]:
-                f.write(json.dumps({"text": d}) + "\n")
+    for path in file_corpus.replace_shards(out, args.name, docs, args.shards):
         print(f"wrote {path}")
     return 0
 
