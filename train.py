@@ -42,17 +42,23 @@ def run(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.cli import Interrupted, interrupt_on
-    from trainer.config import build_config
+    from trainer.cli import interruptible
     from trainer.crash import install_thread_excepthook
-    from trainer.distributed import process_group
     from trainer.log import route_library_warnings
 
-    # Until the loop installs its own handlers (finish the step, save): a SIGTERM or SIGHUP
-    # unwinds the start-up, so the folders' locks are released.
-    interrupt_on()
     install_thread_excepthook()
     route_library_warnings()
+    # Until the loop installs its own handlers (finish the step, save): a SIGTERM or SIGHUP
+    # unwinds the start-up, so the folders' locks are released.
+    with interruptible():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    from trainer.cli import Interrupted
+    from trainer.config import build_config
+    from trainer.distributed import process_group
+
     cfg = None
     clean = False
     try:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 from trainer.crash import install_thread_excepthook, raise_thread_failure, unexpected
@@ -26,15 +27,23 @@ class Interrupted(UserError):
     exit_code = INTERRUPTED_EXIT
 
 
-def interrupt_on(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> None:
-    """Turn `signals` into an `Interrupted` exception, so that `finally` blocks run (a lock is
-    released, a partial file removed) where the default action would end the process at once."""
+@contextmanager
+def interruptible(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """While inside, `signals` raise `Interrupted`, so that `finally` blocks run (a lock is released, a
+    partial file removed) where their default action would end the process at once. The handlers
+    found on entry (SIGINT's too, which a run replaces) are put back on exit."""
 
     def interrupt(signum: int, frame: object) -> NoReturn:
         raise Interrupted(f"stopped by signal {signal.Signals(signum).name} before the run started; nothing was saved")
 
+    previous = {s: signal.getsignal(s) for s in (*signals, signal.SIGINT)}
     for signum in signals:
         signal.signal(signum, interrupt)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run_command(main: Callable[[], int | None]) -> int:

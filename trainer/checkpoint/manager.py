@@ -177,6 +177,8 @@ class CheckpointManager:
             extra["run"] = ctx.run.record()
         if ctx.tokenizer is not None:
             extra["tokenizer"] = ctx.tokenizer
+        if ctx.data is not None:
+            extra["data"] = ctx.data
         (partial / EXTRA_FILE).write_text(json.dumps(extra))
 
     def _poll_pending(self) -> None:

@@ -6,6 +6,7 @@ pretraining (``trainer.data.loader``) and SFT (``trainer.data.sft``).
 """
 
 import glob
+import hashlib
 import json
 import os
 import time
@@ -127,6 +128,13 @@ class DataSource:
                 "set data.format or narrow it to one"
             )
         return files, formats.pop()
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records of its training data, for a resume to notice a changed corpus:
+        the path, and the number, names and sizes of its files (a hub dataset: its name only)."""
+        listing = "\0".join(f"{os.path.basename(f)}:{os.path.getsize(f)}" for f in self.files)
+        return {"path": self.name, "files": len(self.files), "bytes": self.size,
+                "digest": hashlib.sha256(listing.encode()).hexdigest()[:16]}
 
     @property
     def what(self) -> str:
