@@ -288,7 +288,7 @@ def dump_deleted(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, s
 
 
 def rollback(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, str]:
-    """checkpoint.load_step = 1 in a folder holding step-1 and step-2 and the metrics of steps 1-2."""
+    """checkpoint.load_step = 1 in a folder holding step-1 and step-2 and the metrics of steps 1-2, on a changed corpus."""
     root, _ = request.getfixturevalue("deleted_dump")
     shutil.copytree(root / "ckpt", tmp_path / "ckpt")
     (tmp_path / "run").mkdir()
@@ -297,8 +297,11 @@ def rollback(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, str]:
     replaced = {p.name: p.read_bytes() for p in (root / "ckpt" / "step-2").iterdir() if p.is_file()}
     proc = run_train(dump_args(tmp_path, "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "ckpt"),
                                "--checkpoint.load_step", "1", "--checkpoint.resume_from_other_run", "true",
-                               "--training.steps", "2"), timeout=HANG_S)
+                               "--training.steps", "2", "--data.path", str(ROOT / "data" / "corpus" / "train-00000.jsonl")),
+                    timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The resume is also on a corpus of one of the checkpoint's two files: said once.
+    assert proc.stderr.count("warning: the training data changed since checkpoint") == 1, proc.stderr
     kept = tmp_path / "ckpt" / "previous-1" / "step-2"
     assert {p.name: p.read_bytes() for p in kept.iterdir() if p.is_file()} == replaced
     assert (tmp_path / "run" / "previous-1" / "metrics.jsonl").read_text() == metrics
@@ -608,3 +611,35 @@ def test_fault(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> Non
     first = stderr.splitlines()[0] if stderr.strip() else ""
     assert (code, bool(re.search(case.first_line, first))) == (case.exit_code, True), (
         f"{name}: exit {code}, first line {first!r}\n{stderr[-3000:]}")
+
+
+def test_sighup_asks_the_loop_to_stop_like_sigterm() -> None:
+    from trainer.train_state import StopRequest
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    request = StopRequest(torch.device("cpu"), saving=True)
+    try:
+        request.install()
+        os.kill(os.getpid(), signal.SIGHUP)  # a closed terminal: by default it ends the process, unsaved
+        assert request.requested
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def test_a_crash_log_the_full_disk_refuses_leaves_no_empty_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.crash import crash_log
+
+    write_text = Path.write_text
+
+    def full_disk(path: Path, text: str, *args, **kwargs) -> int:
+        if path.parent == tmp_path:
+            write_text(path, "")  # opened, then the disk is full: an empty file is left
+            raise OSError(28, "No space left on device")
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    where = Path(crash_log(str(tmp_path), 0, RuntimeError("the failure")))
+    assert not (tmp_path / "crash.log").exists()
+    assert where.parent != tmp_path and "RuntimeError: the failure" in where.read_text()
+    where.unlink()

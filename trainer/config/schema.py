@@ -18,7 +18,7 @@ AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
 Float8Filter = Literal["rules", "auto"]
 Float8Impl = Literal["ours", "torchao"]
-# float8.operands.EAGER_CASTS (tests/test_config.py holds the two equal).
+# float8.operands.EAGER_CASTS (tests/test_float8_training.py holds the two equal).
 Float8EagerCasts = Literal["auto", "triton", "compiled", "plain"]
 CompileMode = Literal["none", "block", "model"]
 ActivationCheckpointMode = Literal["none", "full", "selective"]
