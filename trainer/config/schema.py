@@ -140,7 +140,9 @@ class CompileConfig:
     """torch.compile granularity."""
 
     mode: CompileMode = _opt("none", "none = eager; block = each TransformerBlock (fullgraph); model = the whole model.")
-    backend: str = _opt("inductor", "torch.compile backend.")
+    backend: str = _opt("inductor", "torch.compile backend. One that this torch does not have is refused before any work "
+                                    "(with the closest name); with mode = \"none\" a backend other than inductor is a "
+                                    "warning (it has no effect).")
 
 
 @_section
