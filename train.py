@@ -43,8 +43,8 @@ def run(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from trainer.cli import interruptible
-    from trainer.crash import install_thread_excepthook
     from trainer.log import route_library_warnings
+    from trainer.threads import install_thread_excepthook
 
     install_thread_excepthook()
     route_library_warnings()

@@ -31,7 +31,8 @@ from typing import Any
 
 from trainer.config import CompileMode, Float8Impl, Float8Scaling
 from trainer.errors import UserError
-from trainer.run_folder import check_writable, set_aside
+from trainer.records import set_aside
+from trainer.run_folder import check_writable
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("bf16", *typing.get_args(Float8Scaling))
@@ -325,9 +326,10 @@ def keep_earlier_results(folder: Path, names: Iterable[str]) -> Path | None:
     Returns the folder they went to, or None when there was nothing to keep.
     """
     check_writable(folder, "--out")
-    target = set_aside(folder, [folder / name for name in dict.fromkeys(names)], copy=False)
+    present = [folder / name for name in dict.fromkeys(names) if (folder / name).exists()]
+    target = set_aside(folder, present, copy=False)
     if target is not None:
-        print(f"kept the earlier {', '.join(p.name for p in target.iterdir())} in {target}/", flush=True)
+        print(f"kept the earlier {', '.join(p.name for p in present)} in {target}/", flush=True)
     return target
 
 

@@ -34,8 +34,14 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer, initialized_model
-from models.llama.weight_conversion import StateDict, WeightsError, check_finite, check_state_dict
-from models.llama.weight_files import FORMATS, load_tensor_file, read_weights, write_weights
+from models.llama.weight_conversion import StateDict, WeightsError, check_state_dict
+from models.llama.weight_files import (
+    FORMATS,
+    check_finite,
+    load_tensor_file,
+    read_weights,
+    write_weights,
+)
 from trainer.checkpoint.dcp_reader import (
     dcp_model_prefix,
     dcp_model_shapes,

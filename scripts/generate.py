@@ -42,8 +42,8 @@ if str(ROOT) not in sys.path:
 
 from models.llama import Transformer, seeded_init  # noqa: E402
 from models.llama.generation import generate, generate_without_cache  # noqa: E402
-from models.llama.weight_conversion import WeightsError, check_finite  # noqa: E402
-from models.llama.weight_files import read_weights  # noqa: E402
+from models.llama.weight_conversion import WeightsError  # noqa: E402
+from models.llama.weight_files import check_finite, read_weights  # noqa: E402
 from trainer.checkpoint.dcp_reader import load_dcp_model  # noqa: E402
 from trainer.checkpoint.folder import step_folders  # noqa: E402
 from trainer.checkpoint.identity import check_tokenizer  # noqa: E402

@@ -347,5 +347,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     from trainer.cli import run_command
-
     sys.exit(run_command(main))

@@ -3,7 +3,7 @@
 Bad input (a UserError) is one line, `error: <the problem>`, exit 2; Ctrl-C is one line, exit
 130; anything unforeseen is one line naming the exception and the file holding its traceback,
 exit 1; an exception that ends a background thread (TensorBoard's writer, a library's worker)
-is kept for the main thread instead of printed (trainer/crash.py). A script's `__main__` is
+is kept for the main thread instead of printed (trainer/threads.py). A script's `__main__` is
 `sys.exit(run_command(main))`.
 """
 
@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-from trainer.crash import install_thread_excepthook, raise_thread_failure, unexpected
+from trainer.crash import unexpected
 from trainer.errors import UserError, report
+from trainer.threads import install_thread_excepthook, raise_thread_failure
 
 INTERRUPTED_EXIT = 130
 

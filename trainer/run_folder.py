@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -26,7 +25,8 @@ from typing import Any
 from trainer.checkpoint.dcp_reader import describe_error
 from trainer.errors import UserError, process_start_time
 from trainer.launch import launch_rank
-from trainer.log import warn
+from trainer.log import info, warn
+from trainer.records import set_aside
 
 LOCK_NAME = ".lock"
 # What a fresh run moves into previous-N/ so that it never overwrites an earlier run's records.
@@ -206,25 +206,23 @@ def move_previous_records(folder: Path) -> Path | None:
     return set_aside(folder, [folder / name for name in RECORDS], copy=False)
 
 
-def set_aside(folder: Path, paths: list[Path], copy: bool) -> Path | None:
-    """Move (or copy) those of `paths` that exist into the next free ``<folder>/previous-N/``.
+def keep_records(folder: Path, resumed: bool, rolled_back: bool) -> None:
+    """Before a run writes its records: a fresh run moves an earlier run's aside; a rollback
+    (checkpoint.load_step) copies the replaced run's, whose metrics past the resumed step are cut."""
+    if not resumed:
+        kept = move_previous_records(folder)
+        if kept is not None:
+            info(f"the previous run's records in {folder} were moved to {kept}")
+    elif rolled_back:
+        kept = set_aside(folder, [folder / name for name in RECORDS], copy=True)
+        if kept is not None:
+            info(f"the replaced run's records in {folder} were copied to {kept}")
 
-    Returns the folder they went to, or None when none existed.
-    """
-    present = [p for p in paths if p.exists()]
-    if not present:
-        return None
-    taken = [int(p.name.split("-", 1)[1]) for p in folder.glob("previous-*") if p.name.split("-", 1)[1].isdigit()]
-    target = folder / f"previous-{max(taken, default=0) + 1}"
-    target.mkdir()
-    for path in present:
-        if not copy:
-            shutil.move(str(path), str(target / path.name))
-        elif path.is_dir():
-            shutil.copytree(path, target / path.name, symlinks=True)
-        else:
-            shutil.copy2(path, target / path.name)
-    return target
+
+def deleted(folder: Path, step: int, saved: str) -> UserError:
+    """The line for a dump folder deleted (or replaced) during the run."""
+    return UserError(f"job.dump_folder '{folder}' was deleted or replaced during the run (noticed after step {step}): "
+                     f"its metrics.jsonl, config.toml and .lock are gone; {saved}")
 
 
 class FolderWatch:

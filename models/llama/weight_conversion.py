@@ -79,16 +79,6 @@ def check_state_dict(
     _check(state_dict, expected_shapes(args), where)
 
 
-def check_finite(state_dict: Mapping[str, torch.Tensor], where: str = "weights") -> None:
-    """Raise WeightsError when any weight is NaN or infinite: such weights are damaged or diverged."""
-    bad = {key: int((~torch.isfinite(t)).sum()) for key, t in state_dict.items() if t.is_floating_point()}
-    total = sum(bad.values())
-    if total:
-        first = next(key for key, n in bad.items() if n)
-        raise WeightsError(f"{where} holds {total} NaN or infinite weights (the first in {first!r}): these "
-                           "weights are damaged or diverged; use healthy weights")
-
-
 # What a config file fixes about the model, in the order a mismatch is reported.
 # max_seq_len is left out: the rope table is recomputed for any length.
 _CONFIG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "norm_eps", "rope_theta")

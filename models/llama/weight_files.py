@@ -149,6 +149,16 @@ def read_meta(path: str | Path) -> tuple[LlamaArgs, StateDict]:
     return args, meta_to_llama(shards, args)
 
 
+def check_finite(state_dict: StateDict, where: str = "weights") -> None:
+    """Raise WeightsError when any weight is NaN or infinite: such weights are damaged or diverged."""
+    bad = {key: int((~torch.isfinite(t)).sum()) for key, t in state_dict.items() if t.is_floating_point()}
+    total = sum(bad.values())
+    if total:
+        first = next(key for key, n in bad.items() if n)
+        raise WeightsError(f"{where} holds {total} NaN or infinite weights (the first in {first!r}): these "
+                           "weights are damaged or diverged; use healthy weights")
+
+
 def _tensor_file_shapes(path: Path) -> dict[str, torch.Size]:
     """Shapes of the tensors of a .safetensors (its header only) or torch.save file (memory-mapped)."""
     if not path.is_file():

@@ -34,7 +34,9 @@ from trainer.checkpoint.dcp_reader import (
     load_dcp_model,
     read_dcp_metadata,
 )
+from trainer.checkpoint.folder import step_folders
 from trainer.checkpoint.identity import check_tokenizer
+from trainer.config import CheckpointConfig
 from trainer.errors import UserError
 from trainer.log import info
 
@@ -51,6 +53,13 @@ def check_weights_fit(path: str | Path, fmt: str, args: LlamaArgs, what: str) ->
         weights_fit(fmt, path, args)
     except WeightsError as e:
         raise UserError(f"{what}: {e}") from None
+
+
+def check_initial_weights_fit(ckpt: CheckpointConfig, folder: Path, args: LlamaArgs) -> None:
+    """The initial weights a fresh run will load (none when it resumes from `folder`) fit `args`."""
+    path = Path(ckpt.initial_load_path) if ckpt.initial_load_path else None
+    if path is not None and path.exists() and not (ckpt.enable and step_folders(folder)):
+        check_weights_fit(path, ckpt.initial_load_format, args, "checkpoint.initial_load_path")
 
 
 def load_full_state_dict(path: str, fmt: str, args: LlamaArgs) -> dict[str, torch.Tensor]:

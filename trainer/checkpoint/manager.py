@@ -49,6 +49,7 @@ from trainer.checkpoint.folder import (
     leftovers,
     remove,
     rotate,
+    set_aside_newer,
     step_folders,
     warn_if_short_of_space,
 )
@@ -59,8 +60,7 @@ from trainer.checkpoint.rng import save_rng
 from trainer.checkpoint.schema import EXTRA_FILE
 from trainer.checkpoint.state import ModelAndOptimizer, nonfinite_weights
 from trainer.errors import UserError
-from trainer.log import info, warn
-from trainer.run_folder import set_aside
+from trainer.log import info
 
 
 class CheckpointManager:
@@ -298,7 +298,8 @@ class CheckpointManager:
         if path is not None and ctx.run is not None:
             # Before anything in the folder is touched: it may be another run's.
             check_owner(path, self.folder, ctx.run, self.cfg.resume_from_other_run)
-        self._set_aside_newer(self.cfg.load_step)
+        if self.context.is_main:
+            set_aside_newer(self.folder, self.rolled_back_from, self.cfg.load_step)
         if self.cfg.enable and ctx.is_main:
             for stale in leftovers(self.folder):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -333,17 +334,6 @@ class CheckpointManager:
             raise UserError(f"checkpoint.load_step = {load_step}: no such checkpoint in {self.folder} (found: {have})")
         self.rolled_back_from = [s for s in found if s > load_step]
         return found[load_step]
-
-    def _set_aside_newer(self, load_step: int) -> None:
-        """A rollback (checkpoint.load_step) keeps the replaced run's newer checkpoints: before anything is
-        written they move to previous-N/, where neither a resume nor the rotation finds them."""
-        newer = self.rolled_back_from
-        if newer and self.context.is_main:
-            kept = set_aside(self.folder, [self.folder / f"step-{s}" for s in newer], copy=False)
-            warn(
-                f"checkpoint.load_step = {load_step}: the newer checkpoints ({', '.join(map(str, newer))}) "
-                f"of the run being replaced were moved to {kept}"
-            )
 
     # -- export --------------------------------------------------------------
 
