@@ -98,6 +98,8 @@ class DataSource:
                 )
             self.format = _EXTENSIONS[ext] if data_format == "auto" else data_format
             self.files = [path]
+        elif os.path.exists(path):
+            raise UserError(f"{option} {path} is not a regular file or folder (a device or pipe)")
         elif _looks_local(path):
             raise UserError(f"{option} not found: {path}")
         else:
