@@ -16,20 +16,18 @@ the shards are not sorted by directory.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import os
 import random
-import re
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 
 from scripts.cells import BadArgs, refuse_to_overwrite
+from trainer.data.globbing import SPECIAL_FILESYSTEMS, glob_files, glob_root
 
 HELDOUT_NAME = "valid"
 DEFAULTS = {
@@ -38,8 +36,6 @@ DEFAULTS = {
     "max_file_bytes": 1_000_000,
     "exclude": ["site-packages", "dist-packages", "__pycache__"],
 }
-# The kernel's filesystems: no text files, and some files never end.
-SPECIAL_FILESYSTEMS = ("/proc", "/sys", "/dev")
 SKIPS = ("not UTF-8", "empty", "over --max-file-bytes", "unreadable", "duplicate text")
 
 
@@ -81,59 +77,6 @@ def check_mode(args: argparse.Namespace, synthetic_given: list[str]) -> None:
                       f"{HELDOUT_NAME}-*.jsonl; choose another --heldout-out or --name")
 
 
-def glob_root(pattern: str) -> str:
-    """The part of `pattern` before its first component with a wildcard (the file's folder if none)."""
-    parts = PurePath(pattern).parts
-    fixed = [p for p in parts[:next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))]]
-    if len(fixed) == len(parts):  # a plain file name
-        fixed = fixed[:-1]
-    return str(PurePath(*fixed)) if fixed else "."
-
-
-def _component_regex(part: str) -> str:
-    """A regex for one path component of a glob and the `/` after it: `*` and `?` stay within the
-    component, `[...]` as fnmatch, `**` any number of folders."""
-    if part == "**":
-        return "(?:[^/]*/)*"
-    out, i = [], 0
-    while i < len(part):
-        c = part[i]
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[" and "]" in part[i + 2:]:
-            end = part.index("]", i + 2)
-            body = part[i + 1:end]
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-            i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out) + "/"
-
-
-def _walk(root: str, pattern: str) -> Iterator[str]:
-    """The files under `root` that match the recursive glob `pattern`, in a walk that never follows a
-    link to a folder (a link loop would be walked forever) and never enters the kernel's special
-    filesystems; hidden files and folders (a leading dot) are left out unless the pattern names one,
-    as glob does."""
-    rest = PurePath(os.path.relpath(pattern, root) if root != "." else pattern).as_posix()
-    *folders, last = rest.split("/")
-    # The last component names the file: no "/" after it, and a last `**` matches any path.
-    body = "".join(map(_component_regex, folders)) + (".*" if last == "**" else _component_regex(last)[:-1])
-    regex = re.compile(body + r"\Z", re.S)
-    hidden = "/." in "/" + rest
-    for folder, dirs, files in os.walk(root, followlinks=False):
-        dirs[:] = sorted(d for d in dirs if (hidden or not d.startswith("."))
-                         and os.path.realpath(os.path.join(folder, d)) not in SPECIAL_FILESYSTEMS)
-        for name in sorted(files):
-            path = os.path.join(folder, name)
-            rel = PurePath(os.path.relpath(path, root)).as_posix()
-            if (hidden or not name.startswith(".")) and regex.match(rel):
-                yield path
-
-
 def check_not_special(pattern: str) -> None:
     """Refuse a pattern whose fixed part lies in /proc, /sys or /dev: their files are the kernel's, not text."""
     real = os.path.realpath(glob_root(pattern))
@@ -152,8 +95,7 @@ def matched_files(patterns: list[str], exclude: list[str]) -> tuple[list[tuple[s
     for pattern in patterns:
         check_not_special(pattern)
         root = glob_root(pattern)
-        paths = _walk(root, pattern) if "**" in pattern else glob.glob(pattern)
-        for path in sorted(paths):
+        for path in glob_files(pattern):
             if not os.path.isfile(path):
                 continue
             real = os.path.realpath(path)

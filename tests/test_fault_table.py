@@ -645,3 +645,15 @@ def test_a_crash_log_the_full_disk_refuses_leaves_no_empty_file(tmp_path: Path, 
     assert not (tmp_path / "crash.log").exists()
     assert where.parent != tmp_path and "RuntimeError: the failure" in where.read_text()
     where.unlink()
+
+
+@pytest.mark.timeout(60)
+def test_a_recursive_data_glob_does_not_follow_links_back_up_the_tree(tmp_path: Path) -> None:
+    from trainer.data.source import DataSource
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "rows.jsonl").write_text('{"text": "one row"}\n')
+    # Two links back up: a glob that follows them walks 2^depth paths, for ever in practice.
+    (tmp_path / "a" / "up").symlink_to(tmp_path, target_is_directory=True)
+    (tmp_path / "a" / "b" / "top").symlink_to(tmp_path, target_is_directory=True)
+    assert DataSource(f"{tmp_path}/**/*.jsonl").files == [f"{tmp_path}/a/b/rows.jsonl"]

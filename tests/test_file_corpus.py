@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from scripts import file_corpus, make_corpus
-from scripts.file_corpus import glob_root, is_heldout
+from scripts.file_corpus import is_heldout
+from trainer.data.globbing import glob_root
 
 TEXTS = {
     "a.py": "import os\n\n\ndef f():\n    return 1\n",

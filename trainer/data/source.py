@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from trainer.config.schema import DataFormat
+from trainer.data.globbing import glob_files
 from trainer.errors import UserError
 from trainer.log import info, route_library_warnings
 
@@ -115,7 +116,7 @@ class DataSource:
         if what == "folder":
             names = [os.path.join(path, f) for f in os.listdir(path) if not f.startswith(".")]
         else:
-            names = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+            names = [f for f in glob_files(path) if os.path.isfile(f)]
         files = sorted(f for f in names if os.path.splitext(f)[1] in _EXTENSIONS)
         if data_format != "auto":
             files = [f for f in files if _EXTENSIONS[os.path.splitext(f)[1]] == data_format]
