@@ -160,7 +160,8 @@ def write_dcp(state_dict: StateDict, args: LlamaArgs, path: Path) -> None:
 
 
 def convert(opts: argparse.Namespace) -> None:
-    if opts.dst.exists() and (opts.dst.is_file() or any(opts.dst.iterdir())):
+    # A link (even one to nowhere) is refused too: writing through it would land elsewhere.
+    if opts.dst.is_symlink() or (opts.dst.exists() and (opts.dst.is_file() or any(opts.dst.iterdir()))):
         raise WeightsError(f"{opts.dst}: already exists; choose a new destination")
     if (opts.n_layers or opts.device != "cpu") and opts.src_format != "random":
         raise WeightsError("--n-layers and --device only apply to --from random")

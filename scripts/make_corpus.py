@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:
 
 from scripts import file_corpus  # noqa: E402
 from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
+from trainer.run_folder import check_writable  # noqa: E402
 
 NAMES = [
     "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry", "Ivy", "Jack",
@@ -263,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_files:
             file_corpus.write(*file_corpus.build(args))
             return 0
+        if args.shards < 1 or (args.docs is not None and args.docs < 1):
+            raise BadArgs(f"--shards and --docs must be at least 1, got --shards {args.shards}, --docs {args.docs}")
         out = Path(args.out)
+        check_writable(out, "--out")
         earlier = sorted(out.glob(f"{args.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))
         if not args.force:
             refuse_to_overwrite(earlier)
