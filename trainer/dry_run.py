@@ -6,6 +6,7 @@ import torch
 
 from models.llama import num_params
 from trainer.config import Config, check_layout
+from trainer.config import notes as config_notes
 from trainer.distributed.memory_plan import check_plan
 from trainer.float8_training import Float8RunContext, Float8Training
 from trainer.launch import launch_world_size, launched_by_torchrun, pick_device_type
@@ -70,7 +71,7 @@ def print_plan(cfg: Config) -> None:
         lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
     if float8.filter_note:
         lines.append(f"  float8 filter     {float8.filter_note}")
-    notes = float8.advice(device, dp, tp)
+    notes = [*config_notes(cfg), *float8.advice(device, dp, tp)]
     # On a host without a GPU, a plan left on training.device = 'auto' is likely meant for a GPU
     # machine: one that cannot fit this host is a warning; a plan for this device is refused.
     planned_elsewhere = device.type == "cpu" and t.device == "auto"
