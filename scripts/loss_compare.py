@@ -96,7 +96,9 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
         raise BadArgs("the following arguments are required: --config (or --merge PART.json ...)")
     cli.steps = DEFAULT_STEPS if cli.steps is None else cli.steps
     cli.nproc = 1 if cli.nproc is None else cli.nproc
-    cli.precisions = comma_names(cli.precisions or "bf16,tensorwise,rowwise", PRECISIONS, "--precisions")
+    # `is None`: an empty --precisions (an unset shell variable) is refused, not the default.
+    default = "bf16,tensorwise,rowwise"
+    cli.precisions = comma_names(default if cli.precisions is None else cli.precisions, PRECISIONS, "--precisions")
     cli.compile = DEFAULT_COMPILE if cli.compile is None else cli.compile.strip()
     if cli.compile not in COMPILE_MODES:
         raise BadArgs(f"--compile takes one mode of {', '.join(COMPILE_MODES)}, got '{cli.compile}'")
@@ -210,8 +212,10 @@ def run_all(cli: argparse.Namespace, extras: list[str], out: Path, train_py: str
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
+    # Rendered before anything is written: a report that cannot be rendered leaves no half of it.
+    markdown = render_markdown(report)
     (out / "loss_compare.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "loss_compare.md").write_text(render_markdown(report))
+    (out / "loss_compare.md").write_text(markdown)
     chart = write_chart(report, out / "loss_compare.png")
     print(f"wrote {out / 'loss_compare.md'}, {out / 'loss_compare.json'}"
           + (f", {out / 'loss_compare.png'}" if chart else ""), flush=True)
@@ -252,4 +256,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

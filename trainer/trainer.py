@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 from models.llama import num_params
-from trainer.checkpoint.context import CheckpointContext
+from trainer.checkpoint.context import CheckpointContext, checkpoint_folder
+from trainer.checkpoint.initial_weights import check_initial_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Config, check_layout, to_toml
+from trainer.config import Config, check_layout, notes, to_toml
 from trainer.data.exchange import world_exchange
-from trainer.data.loader import build_dataloader
+from trainer.data.loader import build_dataloader, data_metrics
 from trainer.data.sft import SFTOptions
 from trainer.data.tokenizer import Tokenizer
 from trainer.distributed import process_group
@@ -43,8 +44,9 @@ from trainer.model_setup import build_meta_model, init_weights, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.precision import TORCH_DTYPES, resolve_param_precision
 from trainer.run_facts import RunFacts, startup_summary
-from trainer.run_folder import move_previous_records
+from trainer.run_folder import FolderWatch, deleted, inside, keep_records
 from trainer.step import LoopProgress, StepOutcome, StepParts, finish_step, skip_or_stop, train_step
+from trainer.threads import raise_thread_failure
 from trainer.train_state import StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
 
@@ -72,7 +74,7 @@ class Trainer:
                             cfg.training.seq_len),
         )
         # Before any weight is allocated: the advice refuses float8 on GPUs without float8 GEMMs.
-        self.advice = self.float8.advice(self.device, self.dp, self.tp)
+        self.advice = [*notes(cfg), *self.float8.advice(self.device, self.dp, self.tp)]
         if self.param_precision.warning:
             self.advice.insert(0, self.param_precision.warning)
         self.model = parallelize_llama(
@@ -115,6 +117,7 @@ class Trainer:
         self.param_precision = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
         self.model_args = model_args_for(cfg, self.tokenizer.n_words, device_type)
+        check_initial_weights_fit(cfg.checkpoint, checkpoint_folder(cfg), self.model_args)
         self.world_size = launch_world_size()
         self.dp, self.tp = check_layout(cfg, self.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
         self.vocab_sharded_logits = self.tp > 1 and cfg.parallelism.loss_parallel
@@ -187,29 +190,21 @@ class Trainer:
         kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         return cross_entropy_sum(self.model(batch["input_ids"], **kwargs), batch["labels"])
 
-    def _data_stats(self) -> dict[str, int]:
-        """Epoch, bad rows skipped and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
-        stats = self.data_state["dataset_state"]
-        keys = ("epoch", "samples", "truncated", "dropped", "bad_rows")
-        return {f"data/{k}": int(stats[k]) for k in keys if k in stats}
+    def _save_last_step(self, why_not: str | None = None) -> str:
+        """Save the last completed step of a run about to stop, unless `why_not`; what its line says of it."""
+        if not self.cfg.checkpoint.enable:
+            return "no checkpoint (checkpointing disabled)"
+        if why_not:
+            return f"no checkpoint saved ({why_not})"
+        self.checkpointer.maybe_save(self.data_state, force=True)
+        return f"checkpoint of step {self.state.step} saved"
 
     def _stop_on_data_error(self, error: UserError, first_step: int) -> None:
-        """Save the last completed step, then stop naming the step whose batches hit the bad row.
-
-        Every rank learns of each row in the same exchange round (trainer/data/loader.py), so all ranks meet
-        the row together and save together.
-        """
+        """Save the last completed step, then stop naming the step whose batches hit the bad row (every rank
+        learns of each row in the same exchange round, trainer/data/loader.py, so all ranks save together)."""
         step = self.state.step
-        if not self.cfg.checkpoint.enable:
-            saved = "no checkpoint (checkpointing disabled)"
-        elif step >= first_step:
-            self.checkpointer.maybe_save(self.data_state, force=True)
-            saved = f"checkpoint of step {step} saved"
-        else:
-            saved = "no checkpoint saved (no step completed in this run)"
-        raise UserError(
-            f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)"
-        )
+        saved = self._save_last_step(None if step >= first_step else "no step completed in this run")
+        raise UserError(f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)")
 
     def _open_records(self, resumed: bool) -> MetricsLogger:
         """The run's first writes, once every input (data, tokenizer, checkpoint) has been accepted:
@@ -220,11 +215,9 @@ class Trainer:
         if self.is_main:
             if resumed:
                 info(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})")
-            else:
-                kept = move_previous_records(dump)
-                if kept is not None:
-                    info(f"the previous run's records in {dump} were moved to {kept}")
+            keep_records(dump, resumed, bool(self.checkpointer.rolled_back_from))
             (dump / "config.toml").write_text(config_text)
+            self.dump_watch = FolderWatch(dump)
         return MetricsLogger(str(dump), self.facts.run_name, self.cfg.metrics.enable_tensorboard, self.is_main,
                              config_text=config_text, resume_step=self.state.step if resumed else None)
 
@@ -333,14 +326,20 @@ class Trainer:
             "fwd_bwd_time_s": self.timer.seconds(t_launch, t_backward),
             "optim_time_s": self.timer.seconds(t_backward, t_done),
             **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
-            "skipped_steps": run.skipped_total, **self._data_stats(), **validation, **outcome.float8_health,
+            "skipped_steps": run.skipped_total, **data_metrics(self.data_state), **validation, **outcome.float8_health,
         }
         eta = (time.perf_counter() - run.start_time) / (step - run.first_step + 1) * (steps - step)
         logger.log(record, steps, eta)
 
     def _save_or_stop(self) -> bool:
         """Save when due (or asked to stop, or at the last step); True when the run stops on request."""
-        stop = self.stop_request.agreed()
+        stop, dump_gone = self.stop_request.agreed(self.is_main and self.dump_watch.gone())
+        if dump_gone:  # saved where the checkpoint folder lay outside it (inside, the checkpoints went with it)
+            dump, folder = Path(self.cfg.job.dump_folder), self.checkpointer.folder
+            raise deleted(dump, self.state.step, self._save_last_step(
+                f"checkpoint.folder {folder} was inside it" if inside(folder, dump) else None))
+        # An exception that ended a background thread (TensorBoard's writer on a full disk) ends the run.
+        raise_thread_failure()
         step = self.state.step
         self.checkpointer.maybe_save(self.data_state, force=stop or step == self.cfg.training.steps)
         if stop and self.is_main:

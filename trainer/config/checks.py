@@ -44,6 +44,7 @@ def validate(cfg: Config) -> None:
         ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
         ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
         ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
+        ("job", "dry_run_world_size"),
     ]
     for section, key in non_negative:
         value = getattr(getattr(cfg, section), key)
@@ -76,7 +77,40 @@ def validate(cfg: Config) -> None:
         raise UserError(f"activation_checkpoint.selective_option must be 'op' or a positive integer, got '{sel}'")
     if any(s <= 0 for s in cfg.profiling.steps):
         raise UserError(f"profiling.steps must be positive step numbers, got {cfg.profiling.steps}")
+    past = [s for s in cfg.profiling.steps if s > cfg.training.steps]
+    if cfg.profiling.enable and past:
+        raise UserError(f"profiling.steps {past} lie past training.steps = {cfg.training.steps}: they would never "
+                        "be traced; pick steps of the run")
+    _check_compile_backend(cfg.compile.backend)
     _check_float8_impl(cfg)
+
+
+def _check_compile_backend(backend: str) -> None:
+    """A torch.compile backend that exists, checked before any work (the default needs no look-up:
+    listing the backends imports torch._dynamo, seconds)."""
+    if backend == "inductor":
+        return
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if backend not in known:
+        raise UserError(f"compile.backend = '{backend}' is not a torch.compile backend{did_you_mean(backend, known)}"
+                        f" (this torch has: {', '.join(sorted(known))})")
+
+
+def notes(cfg: Config) -> list[str]:
+    """Warnings about a config that runs, but not as its author probably meant."""
+    found = []
+    if cfg.lr_scheduler.warmup_steps >= cfg.training.steps:
+        found.append(f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is not below training.steps = "
+                     f"{cfg.training.steps}: the run ends before the learning rate reaches optimizer.lr")
+    if cfg.compile.mode == "none" and cfg.compile.backend != "inductor":
+        found.append(f"compile.backend = '{cfg.compile.backend}' has no effect with compile.mode = 'none'")
+    if cfg.float8.enabled and cfg.metrics.float8_stats_freq and cfg.compile.mode == "block":
+        found.append(f"metrics.float8_stats_freq = {cfg.metrics.float8_stats_freq} with compile.mode = 'block': "
+                     "every block recompiles for the steps that record float8 health, which can make a short run "
+                     "several times slower; raise float8_stats_freq, or set it to 0 for speed")
+    return found
 
 
 def _check_float8_impl(cfg: Config) -> None:

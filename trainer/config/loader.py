@@ -108,6 +108,8 @@ def _lookup(section: str, key: str, where: str) -> Any:
 def load_toml(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
+        if p.exists():
+            raise UserError(f"config file {path} is not a regular file (a folder, device or pipe)")
         raise UserError(f"config file not found: {path}")
     try:
         with p.open("rb") as f:

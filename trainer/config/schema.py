@@ -18,6 +18,8 @@ AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
 Float8Filter = Literal["rules", "auto"]
 Float8Impl = Literal["ours", "torchao"]
+# float8.operands.EAGER_CASTS (tests/test_float8_training.py holds the two equal).
+Float8EagerCasts = Literal["auto", "triton", "compiled", "plain"]
 CompileMode = Literal["none", "block", "model"]
 ActivationCheckpointMode = Literal["none", "full", "selective"]
 ParamDtype = Literal["auto", "bfloat16", "float32"]
@@ -64,6 +66,10 @@ class JobConfig:
     dump_folder: str = _opt("outputs/debug", "Folder for config.toml, metrics.jsonl, tb/, checkpoints/, profiles/.")
     description: str = _opt("", "Free text describing the run; shown at startup and in TensorBoard.")
     dry_run: bool = _opt(False, "Build the model on the meta device, print the plan and exit without allocating weights.")
+    dry_run_world_size: int = _opt(
+        0, "The number of GPUs the dry run plans for (0 = torchrun's world, else the layout's degrees): plan a "
+           "multi-GPU run from one process, e.g. 8 for a 7B run sharded over 8 GPUs."
+    )
     run_name: str = _opt("", "TensorBoard run name under <dump_folder>/tb/ (default: <flavor>-<precision>-<compile mode>).")
 
 
@@ -116,6 +122,11 @@ class Float8TrainingConfig:
         "the run's tokens per micro-batch (eager or compiled as compile.mode), beats bf16 (on CPU: as rules).",
     )
     # Trainer-only: which implementation the trainer's float8 seam runs (trainer/float8_reference.py: torchao).
+    eager_casts: Float8EagerCasts = _opt(
+        "auto", "How float8 casts run outside torch.compile: triton (one kernel per cast; CUDA), compiled "
+                "(torch.compile'd casts), plain (eager ops), or auto (triton on CUDA where Triton imports, else "
+                "compiled on CUDA, plain on CPU). docs/float8.md."
+    )
     impl: Float8Impl = _opt(
         "ours",
         "Float8 implementation: ours = this repository's float8/ package; torchao = the reference library "
@@ -129,7 +140,9 @@ class CompileConfig:
     """torch.compile granularity."""
 
     mode: CompileMode = _opt("none", "none = eager; block = each TransformerBlock (fullgraph); model = the whole model.")
-    backend: str = _opt("inductor", "torch.compile backend.")
+    backend: str = _opt("inductor", "torch.compile backend. One that this torch does not have is refused before any work "
+                                    "(with the closest name); with mode = \"none\" a backend other than inductor is a "
+                                    "warning (it has no effect).")
 
 
 @_section

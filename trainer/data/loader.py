@@ -287,3 +287,10 @@ def build_dataloader(
         # torchdata 0.11 calls a deprecated torch API on construction; not actionable here
         warnings.filterwarnings("ignore", message=".*set_vital.*")
         return StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+
+
+def data_metrics(loader_state: dict[str, typing.Any]) -> dict[str, int]:
+    """Epoch, bad rows skipped and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
+    stats = loader_state["dataset_state"]
+    keys = ("epoch", "samples", "truncated", "dropped", "bad_rows")
+    return {f"data/{k}": int(stats[k]) for k in keys if k in stats}
