@@ -23,6 +23,7 @@ from trainer.config.schema import (
     OptimizerConfig,
     ParallelismConfig,
     ProfilingConfig,
+    SourceConfig,
     TrainingConfig,
     ValidationConfig,
     choices_of,
@@ -33,6 +34,6 @@ __all__ = [
     "DEFAULT_CONFIG", "SECTIONS", "ActivationCheckpointConfig", "ActivationCheckpointMode", "CheckpointConfig",
     "CompileConfig", "CompileMode", "Config", "DataConfig", "DataKind", "Float8Impl", "Float8Scaling",
     "Float8TrainingConfig", "JobConfig", "LRSchedulerConfig", "MetricsConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelismConfig", "ProfilingConfig", "TrainingConfig", "ValidationConfig", "build_config", "check_layout",
+    "ParallelismConfig", "ProfilingConfig", "SourceConfig", "TrainingConfig", "ValidationConfig", "build_config", "check_layout",
     "choices_of", "help_text", "load_toml", "parse_cli", "to_toml", "validate",
 ]

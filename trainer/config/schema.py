@@ -176,12 +176,46 @@ class TrainingConfig:
     )
 
 
+@dataclass
+class SourceConfig:
+    """One weighted source of a mixture: a table of a `[[data.sources]]` or `[[validation.sources]]` array."""
+
+    path: str = ""
+    weight: float = 0.0
+    name: str = ""
+    text_field: str = ""
+    format: str = ""
+
+    def label(self, index: int) -> str:
+        """The source's name in messages and metric keys (data/tokens/<name>): `name`, else the last part
+        of its path that is no glob pattern, without extension (`source<index>` when nothing is left)."""
+        if self.name:
+            return self.name
+        parts = [p for p in self.path.rstrip("/").split("/") if p and not any(c in p for c in "*?[")]
+        stem = parts[-1].split(".")[0] if parts else ""
+        return "".join(c if c.isalnum() or c in "_-" else "_" for c in stem) or f"source{index}"
+
+    def option(self, section: str, index: int) -> str:
+        """How errors name the source: `data.sources[1] (code)`."""
+        return f"{section}.sources[{index}] ({self.label(index)})"
+
+
+# The keys of a source table; the others come from its section ("" = as data.text_field, data.format).
+SOURCE_REQUIRED = ("path", "weight")
+
+
 @_section
 class DataConfig:
     """Training data."""
 
     kind: DataKind = _opt("pretrain", "pretrain = packed text; sft = instruction tuning with prompt masking.")
     path: str = _opt("data/corpus", "File, folder or glob of .txt/.jsonl/.parquet (or a hub dataset name when online).")
+    sources: list[SourceConfig] = _opt(
+        [],
+        "Weighted mixture instead of `path` ([[data.sources]] tables in TOML: path, weight, optional name, "
+        "text_field, format); each window of N sequences holds each source's share within the tolerance of "
+        "docs/data.md, 'Mixing sources'.",
+    )
     format: DataFormat = _opt("auto", "Input format (auto = by file extension).")
     text_field: str = _opt("text", "Field holding the text in JSON Lines / parquet pretraining data.")
     num_workers: int = _opt(
@@ -213,6 +247,7 @@ class ValidationConfig:
 
     enable: bool = _opt(False, "Evaluate on held-out data every `freq` steps and at the last step.")
     path: str = _opt("", "Held-out data in data.path's formats (pretraining text or SFT rows, as data.kind says).")
+    sources: list[SourceConfig] = _opt([], "Held-out mixture instead of `path` ([[validation.sources]], as [[data.sources]]).")
     freq: int = _opt(100, "Evaluate every N steps (and at the last step).")
     steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time.")
 
@@ -261,10 +296,16 @@ class CheckpointConfig:
 
 @_section
 class MetricsConfig:
-    """Console, metrics.jsonl and TensorBoard."""
+    """Console, metrics.jsonl, TensorBoard and (optionally) Weights & Biases."""
 
     log_freq: int = _opt(10, "Log every N steps (and at step 1).")
     enable_tensorboard: bool = _opt(True, "Write TensorBoard events under <dump_folder>/tb/<run-name>/.")
+    enable_wandb: bool = _opt(
+        False,
+        "Also log to Weights & Biases (pip install -e '.[wandb]'): TensorBoard's keys, config.toml as the run "
+        "config, a resumed run continues the same W&B run (its id in <dump_folder>/wandb_id); WANDB_MODE=offline works without network.",
+    )
+    wandb_project: str = _opt("f8trainer", "W&B project of the run (with enable_wandb).")
     float8_stats_freq: int = _opt(
         0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation, "
            "amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."

@@ -43,8 +43,9 @@ from collections.abc import Iterator
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from trainer.config.schema import DataKind
+from trainer.config.schema import DataKind, SourceConfig
 from trainer.data.exchange import Exchange, LocalExchange
+from trainer.data.mixture import ESTIMATE_DOCS, MixtureDataset
 from trainer.data.sft import SFTDataset
 from trainer.data.sft_options import SFTOptions
 from trainer.data.sharding import (
@@ -115,6 +116,7 @@ class PretrainDataset(WindowDataset):
         self.num_workers = num_workers
         self.exchange = exchange if exchange is not None else LocalExchange()
         self._warned = False
+        self.rows: int | None = None  # counted by validate()
 
     def _bad_row(self, line: str) -> str:
         """The line naming a bad row; with data.bad_rows = "error" it stops the run."""
@@ -146,6 +148,7 @@ class PretrainDataset(WindowDataset):
                     found = True
             progress.tick(n)
         progress.done(n)
+        self.rows = n
         reports = exchange.all_gather((first, bad, found))
         firsts = sorted(r[0] for r in reports if r[0] is not None)
         line = self._bad_row(firsts[0][1]) if firsts else ""
@@ -211,6 +214,21 @@ class PretrainDataset(WindowDataset):
                     yield pieces, {"epoch": epoch, "doc": doc, "offset": lo, "bad_rows": bad}
                     pieces, filled = [], 0
 
+    def window_tokens(self, window: list[Piece]) -> int:
+        return self.seq_len
+
+    def epoch_windows(self) -> float | None:
+        """The rows validate() counted times the mean tokens of the first documents, in windows."""
+        if self.rows is None:
+            return None
+        lengths = []
+        for _, row in self.source.rows():
+            if row is not None and text_problem(row, self.text_field) is None and row[self.text_field].strip():
+                lengths.append(len(self.tokenizer.encode(row[self.text_field], bos=True, eos=True)))
+                if len(lengths) == ESTIMATE_DOCS:
+                    break
+        return self.rows * sum(lengths) / max(len(lengths), 1) / (self.seq_len + 1)
+
     def collate(self, windows: list[list[Piece]]) -> dict[str, torch.Tensor]:
         rows = []
         for pieces in windows:
@@ -241,7 +259,7 @@ def build_dataloader(
     *, kind: str, path: str, tokenizer: Tokenizer, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int,
     seed: int, text_field: str = "text", data_format: str = "auto", sft_options: SFTOptions | None = None,
     bad_rows: str = "error", num_workers: int = 0, exchange: Exchange | None = None, verbose: bool = False,
-    option: str = "data.path",
+    option: str = "data.path", sources: list[SourceConfig] | None = None,
 ) -> StatefulDataLoader:
     """Endless loader of this rank's micro-batches (dicts of LongTensors).
 
@@ -265,22 +283,33 @@ def build_dataloader(
     ``verbose``: this process prints progress and warnings (one rank of a run).
     ``option``: the config key `path` came from (data.path, validation.path), named by data errors.
     A pretraining corpus shorter than one sequence is refused.
+
+    ``sources`` (non-empty): a weighted mixture of them instead of ``path`` (``trainer.data.mixture``);
+    a source's empty text_field or format is ``text_field``'s or ``data_format``'s, its errors name
+    it as ``<section>.sources[i] (<name>)``, and every source is read and checked here like ``path``.
     """
     _check_loader_args(kind, seq_len, batch_size, dp_rank, dp_degree, num_workers, bad_rows)
-    source = DataSource(path, data_format, option)
-    dataset: WindowDataset
-    if kind == "pretrain":
-        dataset = PretrainDataset(
-            source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, text_field, bad_rows, verbose,
-            num_workers, exchange,
-        )
+
+    def dataset_of(path: str, data_format: str, text_field: str, option: str) -> WindowDataset:
+        source = DataSource(path, data_format, option)
+        if kind == "sft":
+            return SFTDataset(source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, seed,
+                              sft_options or SFTOptions(), bad_rows, verbose)
+        part = PretrainDataset(source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, text_field, bad_rows,
+                               verbose, num_workers, exchange)
         if source.files and source.size <= VALIDATE_MAX_BYTES:
-            dataset.validate()
+            part.validate()
+        return part
+
+    dataset: WindowDataset
+    if sources:
+        section = option.split(".")[0]
+        parts = [dataset_of(src.path, src.format or data_format, src.text_field or text_field, src.option(section, i))
+                 for i, src in enumerate(sources)]
+        dataset = MixtureDataset(parts, [src.label(i) for i, src in enumerate(sources)],
+                                 [src.weight for src in sources], seed, batch_size, dp_rank, dp_degree)
     else:
-        dataset = SFTDataset(
-            source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, seed,
-            sft_options or SFTOptions(), bad_rows, verbose,
-        )
+        dataset = dataset_of(path, data_format, text_field, option)
     # Batches are built inside the dataset (batch_size=None), in this process (workers only
     # tokenize ahead), so the saved state is the same for any number of workers and ranks.
     with warnings.catch_warnings():

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from trainer.data.mixture import ESTIMATE_DOCS
 from trainer.data.sft_options import SFTOptions
 from trainer.data.source import BadRow, DataSource, Progress, skip_warning
 from trainer.data.tokenizer import Tokenizer
@@ -222,6 +223,7 @@ class SFTDataset(WindowDataset):
         # Said once, when the first batch is read (before the first step).
         self._fit_report = verbose
         self.what = source.what
+        self.source = source
 
     def _fit(self, turns: list[tuple[list[int], list[int]]]) -> str:
         """"fits", "truncated" (BOS + the newest seq_len tokens are kept) or "dropped", for a sample's turns."""
@@ -317,6 +319,19 @@ class SFTDataset(WindowDataset):
                 row.append(sample)
                 used += len(sample[0])
             before = after
+
+    def window_tokens(self, window: Any) -> int:
+        if not self.options.pack:
+            return len(window[0])
+        return sum(len(x) for x, _ in window)
+
+    def epoch_windows(self) -> float | None:
+        """Samples per epoch unpacked; packed, their tokens (estimated from the first ones) per seq_len."""
+        dialogs = [d for d in self.dialogs if d is not None]
+        if not self.options.pack:
+            return len(dialogs)
+        lengths = [sum(len(p) + len(r) for p, r in encode_turns(d, self.tokenizer)) for d in dialogs[:ESTIMATE_DOCS]]
+        return len(dialogs) * sum(lengths) / max(len(lengths), 1) / self.seq_len
 
     def collate(self, windows: list[Any]) -> dict[str, torch.Tensor]:
         if not self.options.pack:

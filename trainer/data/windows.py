@@ -18,6 +18,8 @@ from trainer.errors import UserError
 
 # The label of a token that carries no loss (cross_entropy's ignore_index).
 IGNORE_INDEX = -100
+# The counts of a state that the metrics show as data/<key>.
+METRIC_KEYS = ("epoch", "samples", "truncated", "dropped", "bad_rows")
 
 
 class WindowDataset(IterableDataset):
@@ -48,6 +50,22 @@ class WindowDataset(IterableDataset):
 
     def collate(self, windows: list[Any]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def window_tokens(self, window: Any) -> int:
+        """The input tokens of a window (padding not counted)."""
+        raise NotImplementedError
+
+    def epoch_windows(self) -> float | None:
+        """About how many windows one epoch makes, for the startup summary; None when unknown."""
+        return None
+
+    def metrics(self, state: dict[str, Any]) -> dict[str, int]:
+        """The data/* metrics of a state (``state_dict()``'s): epoch, bad rows skipped, SFT samples cut or dropped."""
+        return {f"data/{k}": int(state[k]) for k in METRIC_KEYS if k in state}
+
+    def describe(self, option: str, total_windows: int, what: str) -> list[str]:
+        """Startup summary lines about the data (a mixture's sources); `total_windows` are read in `what`."""
+        return []
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         stream = self.windows(dict(self._state))
