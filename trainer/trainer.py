@@ -16,7 +16,7 @@ import torch
 from models.llama import num_params
 from trainer.checkpoint.context import CheckpointContext
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Config, check_layout, to_toml
+from trainer.config import Config, SourceConfig, check_layout, to_toml
 from trainer.data.exchange import world_exchange
 from trainer.data.loader import build_dataloader
 from trainer.data.sft import SFTOptions
@@ -38,6 +38,7 @@ from trainer.metrics.logger import (
     reset_peak_memory,
 )
 from trainer.metrics.profiling import StepProfiler
+from trainer.metrics.wandb_sink import check_installed
 from trainer.model_setup import build_meta_model, init_weights, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.precision import TORCH_DTYPES, resolve_param_precision
@@ -57,6 +58,8 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        if cfg.metrics.enable_wandb:
+            check_installed()
         self._resolve_layout()
         self._build_data()
         model = build_meta_model(self.model_args)
@@ -134,27 +137,28 @@ class Trainer:
         # One gloo group for the training and held-out loaders: they read in turn, on this thread,
         # in the same order on every rank.
         self.data_exchange = world_exchange()
-        self.dataloader = self._loader(cfg.data.path, cfg.data.num_workers, "data.path")
+        self.dataloader = self._loader(cfg.data.path, cfg.data.sources, cfg.data.num_workers, "data.path")
         self.validator = None
         if cfg.validation.enable:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
-                cfg.validation, self._loader(cfg.validation.path, 0, "validation.path"), cfg.training.steps,
+                cfg.validation, self._loader(cfg.validation.path, cfg.validation.sources, 0, "validation.path"),
+                cfg.training.steps,
                 device=self.device,
                 dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
 
-    def _loader(self, path: str, num_workers: int, option: str):
-        """The data loader for `path` (training or held-out data, named by its `option` in errors)
-        with this run's data settings."""
+    def _loader(self, path: str, sources: list[SourceConfig], num_workers: int, option: str):
+        """The data loader for `path` or the mixture of `sources` (training or held-out data, named by
+        its `option` in errors) with this run's data settings."""
         cfg = self.cfg
         return build_dataloader(
             kind=cfg.data.kind, path=path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
             batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=self.dp, seed=cfg.training.seed,
             text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
             bad_rows=cfg.data.bad_rows, num_workers=num_workers, exchange=self.data_exchange,
-            verbose=self.is_main, option=option,
+            verbose=self.is_main, option=option, sources=sources,
         )
 
     def config_in_force(self) -> Config:
@@ -172,6 +176,12 @@ class Trainer:
             self.facts, self.cfg, self.model_args.n_layers, self.model_args.attention, f"{self.device_name} ({peak})",
             self.float8.describe(params), self.memory.summary(),
         )
+        cfg = self.cfg
+        sequences = cfg.training.steps * cfg.training.gradient_accumulation_steps * cfg.training.batch_size * self.dp
+        lines += self.dataloader.dataset.describe("data.sources", sequences, f"{cfg.training.steps:,} steps")
+        if self.validator is not None:  # its loader restarts for every evaluation
+            lines += self.validator.loader.dataset.describe(
+                "validation.sources", cfg.validation.steps * cfg.training.batch_size * self.dp, "each evaluation")
         for line in lines + self.float8.summary_lines():
             info(line)
 
@@ -188,10 +198,9 @@ class Trainer:
         return cross_entropy_sum(self.model(batch["input_ids"], **kwargs), batch["labels"])
 
     def _data_stats(self) -> dict[str, int]:
-        """Epoch, bad rows skipped and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
-        stats = self.data_state["dataset_state"]
-        keys = ("epoch", "samples", "truncated", "dropped", "bad_rows")
-        return {f"data/{k}": int(stats[k]) for k in keys if k in stats}
+        """Epoch, bad rows skipped, for SFT samples truncated or dropped to fit seq_len, and for a mixture
+        each source's tokens and epoch (data/* in the metrics)."""
+        return self.dataloader.dataset.metrics(self.data_state["dataset_state"])
 
     def _stop_on_data_error(self, error: UserError, first_step: int) -> None:
         """Save the last completed step, then stop naming the step whose batches hit the bad row.
@@ -225,8 +234,10 @@ class Trainer:
                 if kept is not None:
                     info(f"the previous run's records in {dump} were moved to {kept}")
             (dump / "config.toml").write_text(config_text)
-        return MetricsLogger(str(dump), self.facts.run_name, self.cfg.metrics.enable_tensorboard, self.is_main,
-                             config_text=config_text, resume_step=self.state.step if resumed else None)
+        metrics = self.cfg.metrics
+        return MetricsLogger(str(dump), self.facts.run_name, metrics.enable_tensorboard, self.is_main,
+                             config_text=config_text, resume_step=self.state.step if resumed else None,
+                             wandb_project=metrics.wandb_project if metrics.enable_wandb else None)
 
     def train(self) -> None:
         cfg = self.cfg
