@@ -138,12 +138,12 @@ class MixtureDataset(WindowDataset):
 
     def describe(self, option: str, total_windows: int, what: str) -> list[str]:
         tolerance = self.schedule.tolerance
-        lines = [f"{option}: {len(self.parts)} sources, window k from source schedule(seed, k) "
+        lines = [f"{option}: {len(self.parts)} source{'s' * (len(self.parts) != 1)}, window k from schedule(seed, k) "
                  f"(smooth weighted round-robin: any N consecutive sequences hold N x share +- {tolerance:.1f} "
                  f"of each source's)"]
         for name, weight, share, part in zip(self.names, self.weights, self.schedule.shares, self.parts):
             per_epoch = part.epoch_windows()
-            epochs = (f"~{share * total_windows / per_epoch:,.2f} epochs in {what}"
+            epochs = (f"~{share * total_windows / per_epoch:.3g} epochs in {what}"
                       if per_epoch else "epochs unknown (not read ahead)")
             size = f"{part.source.size / 1e6:,.1f} MB {part.source.format}" if part.source.files else "hub dataset"
             lines.append(f"  {name}: weight {weight:g} ({100 * share:.1f} %)  {part.source.name}  {size}  "

@@ -11,6 +11,7 @@ network (``wandb sync`` uploads it later).
 from __future__ import annotations
 
 import importlib.util
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,13 @@ class WandbSink:
         import wandb
 
         id_file = folder / ID_FILE
-        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else secrets.token_hex(6)
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(
             project=project, id=run_id, resume="allow", name=run_name, dir=str(folder),
             config=tomllib.loads(config_text) if config_text else None,
+            # the trainer's console stays its own: W&B neither captures it nor prints its run summary
+            settings=wandb.Settings(console="off", quiet=True),
         )
 
     def log(self, values: dict[str, Any], step: int) -> None:
