@@ -8,6 +8,7 @@ optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -16,10 +17,12 @@ import torch
 from models.llama import num_params
 from trainer.checkpoint.context import CheckpointContext
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Config, SourceConfig, check_layout, to_toml
+from trainer.config import Config, check_layout, to_toml
 from trainer.data.exchange import world_exchange
-from trainer.data.loader import build_dataloader
-from trainer.data.sft import SFTOptions
+from trainer.data.run_loaders import data_summary, run_loader
+from trainer.data.run_loaders import (
+    sft_options as sft_options,  # scripts and tests import it from here
+)
 from trainer.data.tokenizer import Tokenizer
 from trainer.distributed import process_group
 from trainer.distributed.memory_plan import check_plan
@@ -49,17 +52,11 @@ from trainer.train_state import StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
 
 
-def sft_options(cfg: Config) -> SFTOptions | None:
-    return SFTOptions.from_config(cfg.data) if cfg.data.kind == "sft" else None
-
-
 class Trainer:
     """Owns the model, optimizer, data and metrics for one run."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        if cfg.metrics.enable_wandb:
-            check_installed()
         self._resolve_layout()
         self._build_data()
         model = build_meta_model(self.model_args)
@@ -116,6 +113,7 @@ class Trainer:
             raise UserError("training.device = 'cuda' but no CUDA device is available")
         self.param_precision = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        check_installed(cfg.metrics)
         self.model_args = model_args_for(cfg, self.tokenizer.n_words, device_type)
         self.world_size = launch_world_size()
         self.dp, self.tp = check_layout(cfg, self.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
@@ -137,29 +135,17 @@ class Trainer:
         # One gloo group for the training and held-out loaders: they read in turn, on this thread,
         # in the same order on every rank.
         self.data_exchange = world_exchange()
-        self.dataloader = self._loader(cfg.data.path, cfg.data.sources, cfg.data.num_workers, "data.path")
+        loader = functools.partial(run_loader, cfg, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp=self.dp,
+                                   exchange=self.data_exchange, verbose=self.is_main)
+        self.dataloader = loader("data", cfg.data.num_workers)
         self.validator = None
         if cfg.validation.enable:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
-                cfg.validation, self._loader(cfg.validation.path, cfg.validation.sources, 0, "validation.path"),
-                cfg.training.steps,
-                device=self.device,
+                cfg.validation, loader("validation", 0), cfg.training.steps, device=self.device,
                 dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
-
-    def _loader(self, path: str, sources: list[SourceConfig], num_workers: int, option: str):
-        """The data loader for `path` or the mixture of `sources` (training or held-out data, named by
-        its `option` in errors) with this run's data settings."""
-        cfg = self.cfg
-        return build_dataloader(
-            kind=cfg.data.kind, path=path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
-            batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=self.dp, seed=cfg.training.seed,
-            text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
-            bad_rows=cfg.data.bad_rows, num_workers=num_workers, exchange=self.data_exchange,
-            verbose=self.is_main, option=option, sources=sources,
-        )
 
     def config_in_force(self) -> Config:
         """The config as the run uses it: the resolved parameter dtype, and after a resume the
@@ -176,12 +162,7 @@ class Trainer:
             self.facts, self.cfg, self.model_args.n_layers, self.model_args.attention, f"{self.device_name} ({peak})",
             self.float8.describe(params), self.memory.summary(),
         )
-        cfg = self.cfg
-        sequences = cfg.training.steps * cfg.training.gradient_accumulation_steps * cfg.training.batch_size * self.dp
-        lines += self.dataloader.dataset.describe("data.sources", sequences, f"{cfg.training.steps:,} steps")
-        if self.validator is not None:  # its loader restarts for every evaluation
-            lines += self.validator.loader.dataset.describe(
-                "validation.sources", cfg.validation.steps * cfg.training.batch_size * self.dp, "each evaluation")
+        lines += data_summary(self.cfg, self.dataloader, self.validator.loader if self.validator else None)
         for line in lines + self.float8.summary_lines():
             info(line)
 
@@ -198,8 +179,7 @@ class Trainer:
         return cross_entropy_sum(self.model(batch["input_ids"], **kwargs), batch["labels"])
 
     def _data_stats(self) -> dict[str, int]:
-        """Epoch, bad rows skipped, for SFT samples truncated or dropped to fit seq_len, and for a mixture
-        each source's tokens and epoch (data/* in the metrics)."""
+        """The data/* metrics: epoch, bad rows, SFT samples cut or dropped, a mixture's tokens and epoch per source."""
         return self.dataloader.dataset.metrics(self.data_state["dataset_state"])
 
     def _stop_on_data_error(self, error: UserError, first_step: int) -> None:

@@ -23,11 +23,11 @@ from trainer.config.schema import (
     OptimizerConfig,
     ParallelismConfig,
     ProfilingConfig,
-    SourceConfig,
     TrainingConfig,
     ValidationConfig,
     choices_of,
 )
+from trainer.config.sources import SourceConfig
 from trainer.config.toml_writer import to_toml
 
 __all__ = [

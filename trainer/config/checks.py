@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from trainer.config.schema import SECTIONS, Config, DataFormat, SourceConfig, choices_of
+from trainer.config.schema import SECTIONS, Config, DataFormat, choices_of
+from trainer.config.sources import SourceConfig
 from trainer.errors import UserError
 
 

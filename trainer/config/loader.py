@@ -20,7 +20,8 @@ else:
     import tomli as tomllib
 
 from trainer.config.checks import did_you_mean, validate
-from trainer.config.schema import SECTIONS, SOURCE_REQUIRED, Config, field_types
+from trainer.config.schema import SECTIONS, Config, field_types
+from trainer.config.sources import SOURCE_REQUIRED
 from trainer.config.toml_writer import toml_value
 from trainer.errors import UserError
 

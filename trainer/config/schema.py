@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainer.config.sources import SourceConfig
+
 ModelFlavor = Literal["debug", "7B", "13B", "70B"]
 AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
@@ -174,34 +176,6 @@ class TrainingConfig:
         "A step whose loss or grad norm is NaN/inf is never applied; 0 = stop the run there, N = skip up to N "
         "such steps in a row (counted as skipped_steps in the metrics) and stop at the next.",
     )
-
-
-@dataclass
-class SourceConfig:
-    """One weighted source of a mixture: a table of a `[[data.sources]]` or `[[validation.sources]]` array."""
-
-    path: str = ""
-    weight: float = 0.0
-    name: str = ""
-    text_field: str = ""
-    format: str = ""
-
-    def label(self, index: int) -> str:
-        """The source's name in messages and metric keys (data/tokens/<name>): `name`, else the last part
-        of its path that is no glob pattern, without extension (`source<index>` when nothing is left)."""
-        if self.name:
-            return self.name
-        parts = [p for p in self.path.rstrip("/").split("/") if p and not any(c in p for c in "*?[")]
-        stem = parts[-1].split(".")[0] if parts else ""
-        return "".join(c if c.isalnum() or c in "_-" else "_" for c in stem) or f"source{index}"
-
-    def option(self, section: str, index: int) -> str:
-        """How errors name the source: `data.sources[1] (code)`."""
-        return f"{section}.sources[{index}] ({self.label(index)})"
-
-
-# The keys of a source table; the others come from its section ("" = as data.text_field, data.format).
-SOURCE_REQUIRED = ("path", "weight")
 
 
 @_section

@@ -43,9 +43,10 @@ from collections.abc import Iterator
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from trainer.config.schema import DataKind, SourceConfig
+from trainer.config.schema import DataKind
+from trainer.config.sources import SourceConfig
 from trainer.data.exchange import Exchange, LocalExchange
-from trainer.data.mixture import ESTIMATE_DOCS, MixtureDataset
+from trainer.data.mixture import MixtureDataset
 from trainer.data.sft import SFTDataset
 from trainer.data.sft_options import SFTOptions
 from trainer.data.sharding import (
@@ -59,8 +60,8 @@ from trainer.data.sharding import (
 from trainer.data.source import BadRow as BadRow  # scripts import it from here
 from trainer.data.source import DataSource, Progress, skip_warning
 from trainer.data.tokenizer import Tokenizer
+from trainer.data.windows import ESTIMATE_DOCS, WindowDataset
 from trainer.data.windows import IGNORE_INDEX as IGNORE_INDEX  # tests import it from here
-from trainer.data.windows import WindowDataset
 from trainer.errors import UserError
 from trainer.log import warn
 
@@ -215,7 +216,7 @@ class PretrainDataset(WindowDataset):
                     pieces, filled = [], 0
 
     def window_tokens(self, window: list[Piece]) -> int:
-        return self.seq_len
+        return self.seq_len  # every label of a window is a token
 
     def epoch_windows(self) -> float | None:
         """The rows validate() counted times the mean tokens of the first documents, in windows."""
@@ -284,9 +285,8 @@ def build_dataloader(
     ``option``: the config key `path` came from (data.path, validation.path), named by data errors.
     A pretraining corpus shorter than one sequence is refused.
 
-    ``sources`` (non-empty): a weighted mixture of them instead of ``path`` (``trainer.data.mixture``);
-    a source's empty text_field or format is ``text_field``'s or ``data_format``'s, its errors name
-    it as ``<section>.sources[i] (<name>)``, and every source is read and checked here like ``path``.
+    ``sources`` (non-empty): a weighted mixture instead of ``path`` (``trainer.data.mixture``), each
+    checked here like ``path``, its errors naming ``<section>.sources[i] (<name>)``.
     """
     _check_loader_args(kind, seq_len, batch_size, dp_rank, dp_degree, num_workers, bad_rows)
 

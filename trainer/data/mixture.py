@@ -31,8 +31,6 @@ from trainer.data.windows import WindowDataset
 from trainer.errors import UserError
 
 PERIOD = 1 << 12
-# Documents tokenized per source to estimate its epoch length for the startup summary.
-ESTIMATE_DOCS = 64
 
 
 class Schedule:
@@ -136,7 +134,8 @@ class MixtureDataset(WindowDataset):
             out[f"data/epoch/{name}"] = int(state[f"{name}/epoch"])
         return out
 
-    def describe(self, option: str, total_windows: int, what: str) -> list[str]:
+    def describe(self, option: str, micro_batches: int, what: str) -> list[str]:
+        total_windows = micro_batches * self.batch_size * self.dp_degree
         tolerance = self.schedule.tolerance
         lines = [f"{option}: {len(self.parts)} source{'s' * (len(self.parts) != 1)}, window k from schedule(seed, k) "
                  f"(smooth weighted round-robin: any N consecutive sequences hold N x share +- {tolerance:.1f} "

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainer.config import MetricsConfig
 from trainer.errors import UserError
 
 if sys.version_info >= (3, 11):
@@ -26,9 +27,9 @@ else:
 ID_FILE = "wandb_id"
 
 
-def check_installed() -> None:
+def check_installed(metrics: MetricsConfig) -> None:
     """Refuse metrics.enable_wandb without the package, before any work."""
-    if importlib.util.find_spec("wandb") is None:
+    if metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise UserError("metrics.enable_wandb = true needs the wandb package: pip install -e '.[wandb]' "
                         "(or set metrics.enable_wandb = false)")
 
