@@ -245,6 +245,19 @@ def long_sft_prompts(tmp_path: Path) -> None:
     next(iter(loader))
 
 
+def mixture_toml(second: str) -> Callable[[Path], object]:
+    """A config of two sources, the shipped corpus' first file and `second` (a source table's body)."""
+    first = f'path = "{ROOT}/data/corpus/train-00000.jsonl"\nweight = 0.7\nname = "web"\n'
+    return lambda t: (t / "mix.toml").write_text(f"[[data.sources]]\n{first}[[data.sources]]\n{second}\n")
+
+
+def mixture_loader(tmp_path: Path, second: Path) -> None:
+    from trainer.config import SourceConfig
+
+    pretrain_loader("", sources=[SourceConfig(path=str(ROOT / "data" / "corpus"), weight=0.7),
+                                 SourceConfig(path=str(second), weight=0.3, name="code")])
+
+
 def library_warnings(tmp_path: Path) -> None:
     import logging
 
@@ -576,6 +589,21 @@ TABLE: dict[str, Case] = {
         2, r"^error: checkpoint\.initial_load_path .*/w\.safetensors holds 1 NaN or infinite weights \(the first in "
            r"'layers\.2\.ffn_norm\.weight'\): these weights are damaged or diverged",
         call(nan_initial_weights)),
+    "mixture source weight not positive": Case(
+        2, r"^error: data\.sources\[1\] \(code\): weight must be positive, got 0\.0$",
+        in_process(lambda t: ["--config", str(t / "mix.toml")],
+                   setup=mixture_toml(f'path = "{ROOT}/data/corpus/train-00001.jsonl"\nweight = 0\nname = "code"'))),
+    "mixture source names clash": Case(
+        2, r"^error: data\.sources\[1\] \(web\): name 'web' clashes with data\.sources\[0\]; give each source a "
+           r"distinct name$",
+        in_process(lambda t: ["--config", str(t / "mix.toml")],
+                   setup=mixture_toml(f'path = "{ROOT}/data/heldout"\nweight = 1\nname = "web"'))),
+    "mixture source missing": Case(
+        2, r"^error: data\.sources\[1\] \(code\) not found: .*/code\.jsonl$",
+        call(lambda t: mixture_loader(t, t / "code.jsonl"))),
+    "mixture source empty": Case(
+        2, r"^error: data\.sources\[1\] \(code\) .*/code\.jsonl is empty$",
+        call(lambda t: ((t / "code.jsonl").write_text(""), mixture_loader(t, t / "code.jsonl")))),
     "library log lines come as our one-line warnings": Case(
         0, r"^warning: While redistributing from S\(0\) to R, 2 all-gathers will run$", one_line_each),
     # -- earlier rounds (cheap ones) -----------------------------------------------------------------

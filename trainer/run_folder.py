@@ -30,7 +30,7 @@ from trainer.records import set_aside
 
 LOCK_NAME = ".lock"
 # What a fresh run moves into previous-N/ so that it never overwrites an earlier run's records.
-RECORDS = ("metrics.jsonl", "tb", "config.toml")
+RECORDS = ("metrics.jsonl", "tb", "config.toml", "wandb_id", "wandb")
 
 
 def check_writable(folder: Path, option: str = "job.dump_folder") -> None:

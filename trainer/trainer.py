@@ -8,6 +8,7 @@ optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from trainer.checkpoint.initial_weights import check_initial_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Config, check_layout, notes, to_toml
 from trainer.data.exchange import world_exchange
-from trainer.data.loader import build_dataloader, data_metrics
-from trainer.data.sft import SFTOptions
+from trainer.data.run_loaders import data_summary, run_loader
+from trainer.data.run_loaders import (
+    sft_options as sft_options,  # scripts and tests import it from here
+)
 from trainer.data.tokenizer import Tokenizer
 from trainer.distributed import process_group
 from trainer.distributed.memory_plan import check_plan
@@ -40,6 +43,7 @@ from trainer.metrics.logger import (
     reset_peak_memory,
 )
 from trainer.metrics.profiling import StepProfiler
+from trainer.metrics.wandb_sink import check_installed
 from trainer.model_setup import build_meta_model, init_weights, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.precision import TORCH_DTYPES, resolve_param_precision
@@ -49,10 +53,6 @@ from trainer.step import LoopProgress, StepOutcome, StepParts, finish_step, skip
 from trainer.threads import raise_thread_failure
 from trainer.train_state import StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
-
-
-def sft_options(cfg: Config) -> SFTOptions | None:
-    return SFTOptions.from_config(cfg.data) if cfg.data.kind == "sft" else None
 
 
 class Trainer:
@@ -116,6 +116,7 @@ class Trainer:
             raise UserError("training.device = 'cuda' but no CUDA device is available")
         self.param_precision = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        check_installed(cfg.metrics)
         self.model_args = model_args_for(cfg, self.tokenizer.n_words, device_type)
         check_initial_weights_fit(cfg.checkpoint, checkpoint_folder(cfg), self.model_args)
         self.world_size = launch_world_size()
@@ -138,27 +139,17 @@ class Trainer:
         # One gloo group for the training and held-out loaders: they read in turn, on this thread,
         # in the same order on every rank.
         self.data_exchange = world_exchange()
-        self.dataloader = self._loader(cfg.data.path, cfg.data.num_workers, "data.path")
+        loader = functools.partial(run_loader, cfg, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp=self.dp,
+                                   exchange=self.data_exchange, verbose=self.is_main)
+        self.dataloader = loader("data", cfg.data.num_workers)
         self.validator = None
         if cfg.validation.enable:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
-                cfg.validation, self._loader(cfg.validation.path, 0, "validation.path"), cfg.training.steps,
-                device=self.device, dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
+                cfg.validation, loader("validation", 0), cfg.training.steps, device=self.device,
+                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
-
-    def _loader(self, path: str, num_workers: int, option: str):
-        """The data loader for `path` (training or held-out data, named by its `option` in errors)
-        with this run's data settings."""
-        cfg = self.cfg
-        return build_dataloader(
-            kind=cfg.data.kind, path=path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
-            batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=self.dp, seed=cfg.training.seed,
-            text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
-            bad_rows=cfg.data.bad_rows, num_workers=num_workers, exchange=self.data_exchange,
-            verbose=self.is_main, option=option,
-        )
 
     def config_in_force(self) -> Config:
         """The config as the run uses it: the resolved parameter dtype, and after a resume the
@@ -175,6 +166,7 @@ class Trainer:
             self.facts, self.cfg, self.model_args.n_layers, self.model_args.attention, f"{self.device_name} ({peak})",
             self.float8.describe(params), self.memory.summary(), self.fast_path.text,
         )
+        lines += data_summary(self.cfg, self.dataloader, self.validator.loader if self.validator else None)
         for line in lines + self.float8.summary_lines():
             info(line)
 
@@ -218,8 +210,10 @@ class Trainer:
             keep_records(dump, resumed, bool(self.checkpointer.rolled_back_from))
             (dump / "config.toml").write_text(config_text)
             self.dump_watch = FolderWatch(dump)
-        return MetricsLogger(str(dump), self.facts.run_name, self.cfg.metrics.enable_tensorboard, self.is_main,
-                             config_text=config_text, resume_step=self.state.step if resumed else None)
+        metrics = self.cfg.metrics
+        return MetricsLogger(str(dump), self.facts.run_name, metrics.enable_tensorboard, self.is_main,
+                             config_text=config_text, resume_step=self.state.step if resumed else None,
+                             wandb_project=metrics.wandb_project if metrics.enable_wandb else None)
 
     def train(self) -> None:
         cfg = self.cfg
@@ -326,7 +320,8 @@ class Trainer:
             "fwd_bwd_time_s": self.timer.seconds(t_launch, t_backward),
             "optim_time_s": self.timer.seconds(t_backward, t_done),
             **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
-            "skipped_steps": run.skipped_total, **data_metrics(self.data_state), **validation, **outcome.float8_health,
+            "skipped_steps": run.skipped_total, **self.dataloader.dataset.metrics(self.data_state["dataset_state"]),
+            **validation, **outcome.float8_health,
         }
         eta = (time.perf_counter() - run.start_time) / (step - run.first_step + 1) * (steps - step)
         logger.log(record, steps, eta)

@@ -12,6 +12,7 @@ Sums are reduced over the DP ranks; TP ranks compute the same values.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from trainer.config import ValidationConfig
@@ -35,6 +37,8 @@ class Validator:
     ) -> None:
         self.cfg = cfg
         self.loader = loader
+        # A loader left where the last evaluation stopped would give the next one other batches.
+        self._start = copy.deepcopy(loader.state_dict()) if isinstance(loader, Stateful) else None
         self.last_step = last_step
         self.device = device
         self.dp_group = dp_group
@@ -50,6 +54,8 @@ class Validator:
         model.eval()
         # loss sum, target tokens, correct argmax predictions: float64 keeps the counts exact.
         totals = torch.zeros(3, device=self.device, dtype=torch.float64)
+        if self._start is not None:
+            self.loader.load_state_dict(copy.deepcopy(self._start))
         batches = iter(self.loader)
         try:
             for _ in range(self.cfg.steps):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from trainer.config.schema import SECTIONS, Config
+from trainer.config.schema import SECTIONS, Config, DataFormat, choices_of
+from trainer.config.sources import SourceConfig
 from trainer.errors import UserError
 
 
@@ -54,8 +55,11 @@ def validate(cfg: Config) -> None:
     for section, key in (("job", "dump_folder"), ("model", "tokenizer_path"), ("data", "path"), ("checkpoint", "folder")):
         if not getattr(getattr(cfg, section), key).strip():
             raise UserError(f"{section}.{key} is empty (an unset shell variable?); give it a value")
-    if cfg.validation.enable and not cfg.validation.path:
-        raise UserError("validation.enable = true needs validation.path (held-out data in data.path's formats)")
+    if cfg.validation.enable and not (cfg.validation.path or cfg.validation.sources):
+        raise UserError("validation.enable = true needs validation.path or [[validation.sources]] "
+                        "(held-out data in data.path's formats)")
+    for section in ("data", "validation"):
+        _check_sources(section, getattr(cfg, section).sources)
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
@@ -111,6 +115,25 @@ def notes(cfg: Config) -> list[str]:
                      "every block recompiles for the steps that record float8 health, which can make a short run "
                      "several times slower; raise float8_stats_freq, or set it to 0 for speed")
     return found
+
+
+def _check_sources(section: str, sources: list[SourceConfig]) -> None:
+    """A mixture's sources: a path each, positive weights, known formats, distinct names usable in metric keys."""
+    seen: dict[str, int] = {}
+    for i, src in enumerate(sources):
+        where, name = src.option(section, i), src.label(i)
+        if not src.path.strip():
+            raise UserError(f"{where}: path is empty; give a file, folder, glob or hub dataset")
+        if not src.weight > 0:
+            raise UserError(f"{where}: weight must be positive, got {src.weight}")
+        if src.format and src.format not in choices_of(DataFormat):
+            raise UserError(f"{where}: format '{src.format}' is not one of {', '.join(choices_of(DataFormat))}")
+        if not all(c.isalnum() or c in "_-." for c in name):
+            raise UserError(f"{where}: name '{name}' may hold only letters, digits, '_', '-' and '.' (it is a metric key)")
+        if name in seen:
+            raise UserError(f"{where}: name '{name}' clashes with {section}.sources[{seen[name]}]; "
+                            "give each source a distinct name")
+        seen[name] = i
 
 
 def _check_float8_impl(cfg: Config) -> None:

@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainer.config.sources import SourceConfig
+
 ModelFlavor = Literal["debug", "7B", "13B", "70B"]
 AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
@@ -201,6 +203,12 @@ class DataConfig:
 
     kind: DataKind = _opt("pretrain", "pretrain = packed text; sft = instruction tuning with prompt masking.")
     path: str = _opt("data/corpus", "File, folder or glob of .txt/.jsonl/.parquet (or a hub dataset name when online).")
+    sources: list[SourceConfig] = _opt(
+        [],
+        "Weighted mixture instead of `path` ([[data.sources]] tables in TOML: path, weight, optional name, "
+        "text_field, format); each window of N sequences holds each source's share within the tolerance of "
+        "docs/data.md, 'Mixing sources'.",
+    )
     format: DataFormat = _opt("auto", "Input format (auto = by file extension).")
     text_field: str = _opt("text", "Field holding the text in JSON Lines / parquet pretraining data.")
     num_workers: int = _opt(
@@ -232,6 +240,7 @@ class ValidationConfig:
 
     enable: bool = _opt(False, "Evaluate on held-out data every `freq` steps and at the last step.")
     path: str = _opt("", "Held-out data in data.path's formats (pretraining text or SFT rows, as data.kind says).")
+    sources: list[SourceConfig] = _opt([], "Held-out mixture instead of `path` ([[validation.sources]], as [[data.sources]]).")
     freq: int = _opt(100, "Evaluate every N steps (and at the last step).")
     steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time.")
 
@@ -280,10 +289,16 @@ class CheckpointConfig:
 
 @_section
 class MetricsConfig:
-    """Console, metrics.jsonl and TensorBoard."""
+    """Console, metrics.jsonl, TensorBoard and (optionally) Weights & Biases."""
 
     log_freq: int = _opt(10, "Log every N steps (and at step 1).")
     enable_tensorboard: bool = _opt(True, "Write TensorBoard events under <dump_folder>/tb/<run-name>/.")
+    enable_wandb: bool = _opt(
+        False,
+        "Also log to Weights & Biases (pip install -e '.[wandb]'): TensorBoard's keys, config.toml as the run "
+        "config, a resumed run continues the same W&B run (its id in <dump_folder>/wandb_id); WANDB_MODE=offline works without network.",
+    )
+    wandb_project: str = _opt("f8trainer", "W&B project of the run (with enable_wandb).")
     float8_stats_freq: int = _opt(
         0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation, "
            "amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."
