@@ -266,8 +266,8 @@ class MetricsConfig:
     log_freq: int = _opt(10, "Log every N steps (and at step 1).")
     enable_tensorboard: bool = _opt(True, "Write TensorBoard events under <dump_folder>/tb/<run-name>/.")
     float8_stats_freq: int = _opt(
-        0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation, "
-           "amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."
+        0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation "
+           "and the shares of the squared norm they hold, amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."
     )
 
 
