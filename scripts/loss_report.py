@@ -1,10 +1,17 @@
 """The numbers of scripts/loss_compare.py and its loss_compare.md / loss_compare.json.
 
-A run is a dict (as loss_compare.json keeps it): precision, compile, ok, reason, command, log,
-tps, warmup, and its series: train_steps / train_loss (every logged step) and validation_loss
-({"step": loss}). `build_report` adds each run's stats (gaps to bf16 by step) and the verdicts;
-it is what a merge calls again on the runs of several parts, so nothing is trusted from them.
-Gaps are signed, relative to bf16, in %: positive when float8's loss is higher (worse).
+A run is a dict (as loss_compare.json keeps it): precision, compile, seed (None: the config's),
+ok, reason, command, log, tps, warmup, and its series: train_steps / train_loss (every logged
+step) and validation_loss ({"step": loss}). `build_report` adds each run's stats (gaps to the bf16
+run of the same seed, by step) and the verdicts; it is what a merge calls again on the runs of
+several parts, so nothing is trusted from them. Gaps are signed, relative to bf16, in %: positive
+when float8's loss is higher (worse).
+
+With seeds, the verdict weighs each recipe's gap against bf16's own noise: bf16's seed-to-seed
+spread (the sample standard deviation over seeds) of two losses, the training loss over the last
+10 % of steps and the held-out loss averaged over the last LAST_EVALUATIONS evaluations; a recipe's
+gap to bf16 is taken per seed (paired: same seed, same init and data order) in nats, then its
+mean and spread over the seeds. A mean gap no larger than the band is "within bf16's seed noise".
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ DEFAULT_TOLERANCE_PCT = 0.5
 MAX_VALIDATION_COLUMNS = 4  # more evaluations than this: the table shows the last one only
 HEALTH_OPERANDS = ("input", "weight", "grad_output")
 HEALTH_PREFIX = "float8/worst/"
+HEALTH_SHARES = ("underflow", "underflow_norm_share", "saturation", "saturation_norm_share")
+LAST_EVALUATIONS = 5  # the held-out losses a seed comparison averages
+# The losses a seed comparison measures, in the order the verdict prefers them.
+SEED_METRICS = ("heldout", "train")
 
 
 class PartError(Exception):
@@ -157,18 +168,112 @@ def verdict(precision: str, stats: dict[str, Any], tolerance: float) -> tuple[bo
     return within, f"{precision}: {text}"
 
 
-def baseline_of(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return next((r for r in runs if r["precision"] == BASELINE and r["ok"]), None)
+def baseline_of(runs: list[dict[str, Any]], seed: int | None = None) -> dict[str, Any] | None:
+    """The ok bf16 run of `seed` (None: of the config's seed)."""
+    return next((r for r in runs if r["precision"] == BASELINE and r["ok"] and r.get("seed") == seed), None)
+
+
+def run_label(run: dict[str, Any]) -> str:
+    return run["precision"] if run.get("seed") is None else f"{run['precision']} seed {run['seed']}"
+
+
+def heldout_tail(run: dict[str, Any]) -> float | None:
+    """Mean of the last LAST_EVALUATIONS held-out losses; None without any."""
+    val = validation_of(run)
+    last = sorted(val)[-LAST_EVALUATIONS:]
+    return statistics.fmean(val[s] for s in last) if last else None
+
+
+def spread(values: list[float]) -> float | None:
+    """Sample standard deviation; None under two values."""
+    return statistics.stdev(values) if len(values) >= 2 else None
+
+
+def seed_metric(run: dict[str, Any], metric: str, steps: int) -> float | None:
+    if metric == "train":
+        return tail_mean(run["train_steps"], run["train_loss"], steps)
+    return heldout_tail(run)
+
+
+def seed_gaps(runs: list[dict[str, Any]], precision: str, metric: str, steps: int) -> dict[str, Any]:
+    """The recipe's gaps to bf16 paired by seed: per seed, mean and spread, in nats and %."""
+    gaps: dict[str, float] = {}
+    pcts: list[float] = []
+    for run in runs:
+        base = baseline_of(runs, run.get("seed"))
+        if run["precision"] != precision or not run["ok"] or run.get("seed") is None or base is None:
+            continue
+        value, base_value = seed_metric(run, metric, steps), seed_metric(base, metric, steps)
+        if value is None or base_value is None:
+            continue
+        gaps[str(run["seed"])] = value - base_value
+        pcts.append(relative_gap_pct(value, base_value))
+    values = list(gaps.values())
+    return {"per_seed_nats": gaps, "mean_nats": statistics.fmean(values) if values else None,
+            "spread_nats": spread(values), "mean_pct": statistics.fmean(pcts) if pcts else None,
+            "spread_pct": spread(pcts)}
+
+
+def seed_summary(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """bf16's seed-to-seed spread per loss, each float8 recipe's paired gaps and its verdict."""
+    seeds = sorted({r["seed"] for r in runs if r.get("seed") is not None})
+    bf16 = [r for r in runs if r["precision"] == BASELINE and r["ok"] and r.get("seed") is not None]
+    bands = {m: spread([v for r in bf16 if (v := seed_metric(r, m, steps)) is not None]) for m in SEED_METRICS}
+    recipes = {}
+    for precision in sorted({r["precision"] for r in runs} - {BASELINE}, key=PRECISIONS.index):
+        gaps = {m: seed_gaps(runs, precision, m, steps) for m in SEED_METRICS}
+        metric = next((m for m in SEED_METRICS if gaps[m]["mean_nats"] is not None), "train")
+        recipes[precision] = {"metric": metric, **gaps,
+                              "gap_nats": {"mean": gaps[metric]["mean_nats"], "spread": gaps[metric]["spread_nats"]},
+                              "gap_pct": {"mean": gaps[metric]["mean_pct"], "spread": gaps[metric]["spread_pct"]}}
+    headline = next((m for m in SEED_METRICS if bands[m] is not None), "train")
+    return {"seeds": seeds, "bf16_seed_spread_nats": bands[headline], "noise_metric": headline,
+            "bf16_seed_spread_by_metric_nats": bands, "recipes": recipes}
+
+
+METRIC_NAMES = {"heldout": f"held-out loss (mean of the last {LAST_EVALUATIONS} evaluations)",
+                "train": "training loss (last 10 % of steps)"}
+
+
+def _pm(mean: float | None, spread_: float | None, unit: str, digits: int) -> str:
+    if mean is None:
+        return "n/a"
+    return f"{mean:+.{digits}f}" + ("" if spread_ is None else f" ± {spread_:.{digits}f}") + unit
+
+
+def seed_verdict(precision: str, recipe: dict[str, Any], bands: dict[str, float | None]) -> dict[str, Any]:
+    """{"within", "verdict", "text"}: the recipe's mean gap weighed against bf16's seed spread of the same loss."""
+    metric = recipe["metric"]
+    gap, band = recipe[metric], bands[metric]
+    mean = gap["mean_nats"]
+    if mean is None:
+        return {"within": None, "verdict": None, "text": f"{precision}: no verdict: no run paired with a bf16 run "
+                                                          "of the same seed"}
+    shown = (f"{METRIC_NAMES[metric]} gap {_pm(mean, gap['spread_nats'], ' nats', 4)} "
+             f"({_pm(gap['mean_pct'], gap['spread_pct'], ' %', 2)}) over {len(gap['per_seed_nats'])} seed(s)")
+    if band is None:
+        return {"within": None, "verdict": None,
+                "text": f"{precision}: no noise band (bf16 ran at fewer than 2 seeds): {shown}"}
+    if abs(mean) <= band:
+        words, within = "within bf16's seed noise", True
+    elif mean < 0:
+        words, within = f"better by {_pm(-mean, gap['spread_nats'], ' nats', 4).lstrip('+')}", False
+    else:
+        words, within = f"worse by {_pm(mean, gap['spread_nats'], ' nats', 4).lstrip('+')}", False
+    return {"within": within, "verdict": words.split(" by ")[0],
+            "text": f"{precision}: {words}: {shown}; bf16's seed spread {band:.4f} nats"}
 
 
 def build_report(info: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """loss_compare.json: info, the runs (in PRECISIONS order) with their stats, verdicts and failures."""
-    runs = sorted(runs, key=lambda r: PRECISIONS.index(r["precision"]))
-    base = baseline_of(runs)
+    """loss_compare.json: info, the runs (in PRECISIONS order, then by seed) with their stats, the seed
+    comparison when the runs have seeds, verdicts and failures."""
+    runs = sorted(runs, key=lambda r: (PRECISIONS.index(r["precision"]), r.get("seed") or 0))
+    summary = seed_summary(runs, info["steps"])
     verdicts = {}
     for run in runs:
+        base = baseline_of(runs, run.get("seed"))
         run["stats"] = run_stats(run, base, info["steps"], info["window"]) if run["ok"] else None
-        if run["precision"] == BASELINE:
+        if run["precision"] == BASELINE or summary["seeds"]:
             continue
         if base is None:
             verdicts[run["precision"]] = {"within": None, "text": f"{run['precision']}: no verdict: bf16 is missing"}
@@ -177,7 +282,10 @@ def build_report(info: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, 
         else:
             within, text = verdict(run["precision"], run["stats"], info["tolerance"])
             verdicts[run["precision"]] = {"within": within, "text": text}
-    return {"kind": KIND, **info, "baseline": BASELINE, "runs": runs, "verdicts": verdicts,
+    if summary["seeds"]:
+        bands = summary["bf16_seed_spread_by_metric_nats"]
+        verdicts = {p: seed_verdict(p, recipe, bands) for p, recipe in summary["recipes"].items()}
+    return {"kind": KIND, **info, "baseline": BASELINE, **summary, "runs": runs, "verdicts": verdicts,
             "failures": {r["name"]: r["reason"] for r in runs if not r["ok"]}}
 
 
@@ -190,7 +298,6 @@ def validation_columns(report: dict[str, Any]) -> tuple[list[int], int]:
 def render_table(report: dict[str, Any]) -> str:
     """One row per run: final training loss and gap, worst moving-window gap, held-out losses, tokens/s."""
     shown, evaluated = validation_columns(report)
-    base = baseline_of(report["runs"])
     last_of = f" (last of {evaluated})" if len(shown) < evaluated else ""
     header = (["precision", f"train loss (last {tail_steps(report['steps'])} steps)", "vs bf16",
                f"worst gap (window {report['window']})"]
@@ -198,13 +305,14 @@ def render_table(report: dict[str, Any]) -> str:
     rows = ["| " + " | ".join(header) + " |", "|---|" + "--:|" * (len(header) - 1)]
     for r in report["runs"]:
         if not r["ok"]:
-            rows.append(f"| {r['precision']} | failed |" + " |" * (len(header) - 2))
+            rows.append(f"| {run_label(r)} | failed |" + " |" * (len(header) - 2))
             continue
+        base = baseline_of(report["runs"], r.get("seed"))
         st, is_base = r["stats"], r is base
         val, val_gaps = validation_of(r), st["validation_gap_pct"]
         worst = ("-" if is_base else "n/a" if st["worst_window_step"] is None
                  else f"{gap_text(st['worst_window_gap_pct'])} @ step {st['worst_window_step']}")
-        cells = [r["precision"], "n/a" if st["train_loss_tail"] is None else f"{st['train_loss_tail']:.4f}",
+        cells = [run_label(r), "n/a" if st["train_loss_tail"] is None else f"{st['train_loss_tail']:.4f}",
                  "baseline" if is_base else gap_text(st["train_gap_pct"]), worst]
         for s in shown:
             text = f"{val[s]:.4f}" if s in val else "-"
@@ -218,33 +326,60 @@ def render_table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def render_seeds(report: dict[str, Any]) -> str:
+    """The seed comparison: bf16's band and each recipe's paired gaps, per loss; "" without seeds."""
+    if not report.get("seeds"):
+        return ""
+    bands = report["bf16_seed_spread_by_metric_nats"]
+    lines = ["## Against bf16's seed noise", "",
+             f"Seeds {', '.join(map(str, report['seeds']))}. The band: bf16's seed-to-seed spread (sample "
+             "standard deviation over seeds). A gap: the recipe's loss minus bf16's at the same seed (same "
+             "init, same data order), then its mean ± spread over the seeds; positive is worse.", "",
+             "| recipe | loss | bf16 seed spread (band) | gap (nats) | gap (%) | per seed (nats) |",
+             "|---|---|--:|--:|--:|---|"]
+    for precision, recipe in report["recipes"].items():
+        for metric in SEED_METRICS:
+            gap = recipe[metric]
+            band = "n/a" if bands[metric] is None else f"{bands[metric]:.4f} nats"
+            per_seed = ", ".join(f"{s}: {g:+.4f}" for s, g in gap["per_seed_nats"].items()) or "-"
+            lines.append(f"| {precision} | {METRIC_NAMES[metric]} | {band} | "
+                         f"{_pm(gap['mean_nats'], gap['spread_nats'], '', 4)} | "
+                         f"{_pm(gap['mean_pct'], gap['spread_pct'], '', 2)} | {per_seed} |")
+    return "\n".join(lines)
+
+
 def render_health(report: dict[str, Any]) -> str:
     """Worst underflow and saturation per operand, and the largest amax growth, per float8 run; "" if none."""
     runs = [r for r in report["runs"] if r.get("health") and r["precision"] != BASELINE]
     if not runs:
         return ""
     lines = ["## Float8 health", "",
-             "From the last record of each run with `float8/worst/...` keys: the layer with the largest "
-             "fraction of values that underflow to zero or saturate at the float8 maximum, per operand.", "",
-             "| recipe | step | operand | worst underflow | layer | worst saturation | layer |",
-             "|---|--:|---|--:|---|--:|---|"]
+             "From the last record of each run with `float8/worst/...` keys: per operand, the layer with the "
+             "largest share of its non-zero values that underflow to zero or saturate at the float8 maximum "
+             "(count), and the layer with the largest share of its squared L2 norm those values held (norm "
+             "share: the harm; under ~1e-3, float8's own rounding error, it costs nothing).", "",
+             "| recipe | step | operand | underflow (count) | layer | underflow (norm share) | layer "
+             "| saturation (count) | layer | saturation (norm share) | layer |",
+             "|---|--:|---|--:|---|--:|---|--:|---|--:|---|"]
     growth = []
     for r in runs:
         ops = r["health"]["operands"]
         order = [op for op in HEALTH_OPERANDS if op in ops] + sorted(set(ops) - set(HEALTH_OPERANDS))
         for op in order:
-            if "underflow" not in ops[op] and "saturation" not in ops[op]:
+            if not any(q in ops[op] for q in HEALTH_SHARES):
                 continue
             cells = []
-            for q in ("underflow", "saturation"):
+            for q in HEALTH_SHARES:
                 entry = ops[op].get(q)
-                cells += ["-", "-"] if entry is None else [f"{100 * entry['value']:.3g} %", entry.get("layer", "?")]
-            lines.append(f"| {r['precision']} | {r['health']['step']} | {op} | " + " | ".join(cells) + " |")
+                shown = None if entry is None else (f"{entry['value']:.2g}" if q.endswith("_norm_share")
+                                                    else f"{100 * entry['value']:.3g} %")
+                cells += ["-", "-"] if entry is None else [shown, entry.get("layer", "?")]
+            lines.append(f"| {run_label(r)} | {r['health']['step']} | {op} | " + " | ".join(cells) + " |")
         amax = [(ops[op]["amax_growth"]["value"], op, ops[op]["amax_growth"].get("layer", "?"))
                 for op in order if "amax_growth" in ops[op]]
         if amax:
             value, op, layer = max(amax, key=lambda t: t[0])
-            growth.append(f"{r['precision']}: {format_number(value)} ({op}, {layer})")
+            growth.append(f"{run_label(r)}: {format_number(value)} ({op}, {layer})")
     if growth:
         lines += ["", "Largest amax growth: " + "; ".join(growth) + "."]
     return "\n".join(lines)
@@ -256,10 +391,12 @@ def _device(env: dict[str, Any]) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     env, steps = report["environment"], report["steps"]
-    base = baseline_of(report["runs"])
+    has_base = any(r["precision"] == BASELINE and r["ok"] for r in report["runs"])
     parts = ["# Is float8 hurting my loss? bf16 vs float8, same config, seed and data", "",
              render_table(report), ""]
-    if base is None:
+    if seeds := render_seeds(report):
+        parts += [seeds, ""]
+    if not has_base:
         parts += ["bf16 is missing (not among these runs, or it failed): no gaps to compare. Run it with "
                   "`--precisions bf16` and combine the parts with `--merge`.", ""]
     if report["verdicts"]:
@@ -270,12 +407,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     warmups = sorted({r.get("warmup") for r in report["runs"] if r.get("warmup") is not None})
     parts += [
         f"train loss: mean training loss over the last {tail_steps(steps)} of {steps} steps; vs bf16: its "
-        "gap to bf16's, signed (positive: float8's loss is higher). worst gap: the largest gap, signed, "
+        "gap to bf16's (of the same seed), signed (positive: float8's loss is higher). worst gap: the largest gap, signed, "
         f"between the two runs' moving averages of the training loss over {report['window']} steps, and "
         "the step that ends that window. held-out @ N: the validation loss at step N (gap to bf16 in "
         f"brackets). tokens/s/GPU: median after the {'/'.join(map(str, warmups)) or '?'} warm-up steps "
-        f"(vs bf16 in brackets). Verdicts use ±{report['tolerance']:g} % on the final training loss and "
-        "the last held-out loss." + ("" if env.get("gpu") else " On a CPU without native bf16 the bf16 run "
+        f"(vs bf16 in brackets). " + (
+            "Verdicts weigh the mean held-out gap (the training one without evaluations) against bf16's seed "
+            "spread of the same loss." if report.get("seeds") else
+            f"Verdicts use ±{report['tolerance']:g} % on the final training loss and the last held-out loss; "
+            "one seed cannot tell a gap from bf16's own seed noise: use --seeds 42,43,44.") + ("" if env.get("gpu") else " On a CPU without native bf16 the bf16 run "
                                      "computes in float32 (training.mixed_precision_param = auto)."), ""]
     if health := render_health(report):
         parts += [health, ""]

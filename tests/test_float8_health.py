@@ -11,8 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from float8 import Float8Config, convert_to_float8_training
-from float8 import health
+from float8 import Float8Config, convert_to_float8_training, health
 from float8.health import Float8HealthMonitor
 from tests.helpers import read_metrics, run_train
 

@@ -99,6 +99,10 @@ HEALTH_OLD = {"float8/worst/input/underflow": 0.9, "float8/worst/input/underflow
 HEALTH_LAST = {
     "float8/worst/input/underflow": 0.001, "float8/worst/input/underflow/layer": "layers.0.attention.wq",
     "float8/worst/input/saturation": 0, "float8/worst/input/saturation/layer": "layers.1.feed_forward.w2",
+    "float8/worst/input/saturation_norm_share": 1e-20,
+    "float8/worst/input/saturation_norm_share/layer": "layers.0.attention.wq",
+    "float8/worst/grad_output/underflow_norm_share": 1.5e-18,
+    "float8/worst/grad_output/underflow_norm_share/layer": "layers.1.feed_forward.w2",
     "float8/worst/grad_output/underflow": 0.25, "float8/worst/grad_output/underflow/layer": "layers.1.feed_forward.w2",
     "float8/worst/grad_output/amax_growth": 3.5, "float8/worst/grad_output/amax_growth/layer": "layers.0.feed_forward.w1",
     "float8/worst/weight/amax_growth": 1.2, "float8/worst/weight/amax_growth/layer": "output",
@@ -113,16 +117,20 @@ def test_health_comes_from_the_last_record_that_has_it():
     health = lr.health_of(records)
     assert health == {"step": 10, "operands": {
         "input": {"underflow": {"value": 0.001, "layer": "layers.0.attention.wq"},
-                  "saturation": {"value": 0.0, "layer": "layers.1.feed_forward.w2"}},
+                  "saturation": {"value": 0.0, "layer": "layers.1.feed_forward.w2"},
+                  "saturation_norm_share": {"value": 1e-20, "layer": "layers.0.attention.wq"}},
         "grad_output": {"underflow": {"value": 0.25, "layer": "layers.1.feed_forward.w2"},
+                        "underflow_norm_share": {"value": 1.5e-18, "layer": "layers.1.feed_forward.w2"},
                         "amax_growth": {"value": 3.5, "layer": "layers.0.feed_forward.w1"}},
         "weight": {"amax_growth": {"value": 1.2, "layer": "output"}},
     }}
     assert lr.health_of([{"step": 1, "loss": 1.0, "float8/other": 2.0}]) is None
     report = {"runs": [{**_run("tensorwise", [1.0], {}), "health": health}]}
     assert lr.render_health(report).splitlines()[-4:] == [
-        "| tensorwise | 10 | input | 0.1 % | layers.0.attention.wq | 0 % | layers.1.feed_forward.w2 |",
-        "| tensorwise | 10 | grad_output | 25 % | layers.1.feed_forward.w2 | - | - |",
+        "| tensorwise | 10 | input | 0.1 % | layers.0.attention.wq | - | - | 0 % | layers.1.feed_forward.w2 | 1e-20 "
+        "| layers.0.attention.wq |",
+        "| tensorwise | 10 | grad_output | 25 % | layers.1.feed_forward.w2 | 1.5e-18 | layers.1.feed_forward.w2 "
+        "| - | - | - | - |",
         "",
         "Largest amax growth: tensorwise: 3.50 (grad_output, layers.0.feed_forward.w1).",
     ]
@@ -142,8 +150,8 @@ def _losses(precision: str, steps: int) -> list[float]:
 VALIDATION = {"bf16": {5: 5.0, 10: 4.5}, "tensorwise": {5: 5.05, 10: 4.5}}
 
 
-def _fake_run_cell(precision, mode, cli, extras, out, train_py):
-    r = cr.CellResult(precision, mode, command=f"python train.py --{precision}", wall_s=1.0)
+def _fake_run_cell(precision, mode, cli, extras, out, train_py, seed=None):
+    r = cr.CellResult(precision, mode, seed=seed, command=f"python train.py --{precision}", wall_s=1.0)
     run_dir = out / "runs" / r.name
     run_dir.mkdir(parents=True)
     r.log = str(run_dir / "log.txt")
