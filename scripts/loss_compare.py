@@ -222,13 +222,15 @@ def run_entry(r: CellResult, metrics: Path, warmup: int) -> dict[str, Any]:
 
 def run_all(cli: argparse.Namespace, extras: list[str], out: Path, train_py: str) -> list[dict[str, Any]]:
     runs = []
+    # Evaluations read the whole held-out set unless the user says how many batches.
+    run_extras = extras if "--validation.steps" in extras else [*extras, "--validation.steps", "0"]
     # Seed by seed, so that a comparison cut short still holds whole pairs.
     cells = [(seed, precision) for seed in cli.seeds for precision in cli.precisions]
     for i, (seed, precision) in enumerate(cells, 1):
         name = CellResult(precision, cli.compile, seed=seed).name
         tag = f"[{i}/{len(cells)}] {name}"
         print(f"{tag}: running {cli.steps} steps, log in {out / 'runs' / name / 'log.txt'}", flush=True)
-        r = run_cell(precision, cli.compile, cli, extras, out, train_py, seed=seed)
+        r = run_cell(precision, cli.compile, cli, run_extras, out, train_py, seed=seed)
         status = (f"final loss {r.final_loss:.4f}, {r.tps:,.0f} tokens/s/GPU" if r.ok else f"FAILED: {r.reason}")
         print(f"{tag}: {status} ({r.wall_s or 0:.0f} s)", flush=True)
         runs.append(run_entry(r, out / "runs" / r.name / "metrics.jsonl", cli.warmup))

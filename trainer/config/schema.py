@@ -214,7 +214,8 @@ class ValidationConfig:
     enable: bool = _opt(False, "Evaluate on held-out data every `freq` steps and at the last step.")
     path: str = _opt("", "Held-out data in data.path's formats (pretraining text or SFT rows, as data.kind says).")
     freq: int = _opt(100, "Evaluate every N steps (and at the last step).")
-    steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time.")
+    steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time; "
+                          "0 = the whole held-out set (every batch of its first pass).")
 
 
 @_section
