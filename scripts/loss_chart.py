@@ -9,14 +9,8 @@ from typing import Any
 
 from scripts.cells import PRECISIONS
 from scripts.compare_chart import pyplot_for
-from scripts.loss_report import (
-    METRIC_NAMES,
-    baseline_of,
-    moving_average,
-    relative_gap_pct,
-    seed_metric,
-    validation_of,
-)
+from scripts.loss_seeds import METRIC_NAMES, seed_metric
+from scripts.loss_series import baseline_of, moving_average, relative_gap_pct, validation_of
 
 
 def _title(report: dict[str, Any]) -> str:

@@ -62,14 +62,12 @@ from scripts.loss_report import (  # noqa: E402
     DEFAULT_TOLERANCE_PCT,
     PartError,
     build_report,
-    default_window,
     health_of,
     load_part,
     render_markdown,
     render_table,
-    run_label,
-    series_of,
 )
+from scripts.loss_series import default_window, run_label, series_of  # noqa: E402
 
 DEFAULT_STEPS = 1000
 DEFAULT_COMPILE = "block"

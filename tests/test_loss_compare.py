@@ -12,6 +12,7 @@ import pytest
 from scripts import compare_run as cr
 from scripts import loss_compare as lc
 from scripts import loss_report as lr
+from scripts import loss_seeds as ls
 from tests.helpers import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -414,7 +415,7 @@ def test_seeds_on_the_debug_model_in_two_parts_merged(tmp_path, monkeypatch, cap
     bf16 = report["runs"][:2]
     assert bf16[0]["train_loss"][0] != bf16[1]["train_loss"][0]  # the seed changed the init
     # The band is the two bf16 runs' held-out spread; the gap pairs tensorwise with bf16 seed 42.
-    held = [lr.heldout_tail(r) for r in report["runs"]]
+    held = [ls.heldout_tail(r) for r in report["runs"]]
     assert report["seeds"] == [42, 43] and report["noise_metric"] == "heldout"
     assert report["bf16_seed_spread_nats"] == pytest.approx(abs(held[0] - held[1]) / 2 ** 0.5)
     assert report["recipes"]["tensorwise"]["gap_nats"] == {"mean": pytest.approx(held[2] - held[0]), "spread": None}
