@@ -35,7 +35,7 @@ def validate(cfg: Config) -> None:
         ("training", "batch_size"), ("training", "seq_len"), ("training", "steps"),
         ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
         ("checkpoint", "interval"), ("parallelism", "tensor_parallel_degree"),
-        ("validation", "freq"), ("validation", "steps"),
+        ("validation", "freq"),
     ]
     for section, key in positive:
         value = getattr(getattr(cfg, section), key)
@@ -43,7 +43,7 @@ def validate(cfg: Config) -> None:
             raise UserError(f"{section}.{key} must be positive, got {value}")
     non_negative = [
         ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
-        ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
+        ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("validation", "steps"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
         ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
         ("job", "dry_run_world_size"),
     ]

@@ -242,7 +242,8 @@ class ValidationConfig:
     path: str = _opt("", "Held-out data in data.path's formats (pretraining text or SFT rows, as data.kind says).")
     sources: list[SourceConfig] = _opt([], "Held-out mixture instead of `path` ([[validation.sources]], as [[data.sources]]).")
     freq: int = _opt(100, "Evaluate every N steps (and at the last step).")
-    steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time.")
+    steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time; "
+                          "0 = the whole held-out set (every batch of its first pass).")
 
 
 @_section
@@ -300,8 +301,8 @@ class MetricsConfig:
     )
     wandb_project: str = _opt("f8trainer", "W&B project of the run (with enable_wandb).")
     float8_stats_freq: int = _opt(
-        0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation, "
-           "amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."
+        0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation "
+           "and the shares of the squared norm they hold, amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."
     )
 
 

@@ -228,9 +228,13 @@ def _dashboard_layout() -> dict[str, dict[str, list[Any]]]:
         "time": {"seconds per step": chart(r"time/.*")},
         # metrics.float8_stats_freq: the worst float8 linear per quantity (float8/<layer>/... per layer).
         "float8 health (worst layer)": {
-            "underflow (share of non-zero values cast to 0)": chart(r"float8/worst/.*/underflow"),
-            "saturation (share at the float8 maximum)": chart(r"float8/worst/.*/saturation"),
-            "amax": chart(r"float8/worst/.*/amax"),
+            # The norm shares first: they measure harm; the counts only how many values were touched.
+            "underflow (share of the squared norm cast to 0)": chart(r"float8/worst/.*/underflow_norm_share$"),
+            "saturation (share of the squared norm clipped at the float8 maximum)":
+                chart(r"float8/worst/.*/saturation_norm_share$"),
+            "underflow (share of non-zero values cast to 0)": chart(r"float8/worst/.*/underflow$"),
+            "saturation (share at the float8 maximum)": chart(r"float8/worst/.*/saturation$"),
+            "amax": chart(r"float8/worst/.*/amax$"),
             "amax growth since the first health step": chart(r"float8/worst/.*/amax_growth"),
             "smallest scale": chart(r"float8/worst/.*/scale"),
         },
