@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import warnings
 from typing import TYPE_CHECKING
 
@@ -43,11 +42,23 @@ def run(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.cli import interruptible
+    from trainer.log import route_library_warnings
+    from trainer.threads import install_thread_excepthook
+
+    install_thread_excepthook()
+    route_library_warnings()
+    # Until the loop installs its own handlers (finish the step, save): a SIGTERM or SIGHUP
+    # unwinds the start-up, so the folders' locks are released.
+    with interruptible():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    from trainer.cli import Interrupted
     from trainer.config import build_config
     from trainer.distributed import process_group
-    from trainer.log import route_library_warnings
 
-    route_library_warnings()
     cfg = None
     clean = False
     try:
@@ -59,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run(cfg)
         clean = True
+    except KeyboardInterrupt:
+        report(Interrupted("interrupted (Ctrl-C) before the run started; nothing was saved"))
+        return Interrupted.exit_code
     except UserError as e:
         # Before the teardown: under torchrun, once any rank has exited, this one can be
         # stopped at any moment. report() prints the line once for all ranks of the launch.
@@ -71,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             return UserError.exit_code
         from trainer.crash import unexpected
 
-        error = unexpected(e, cfg.job.dump_folder if cfg is not None else tempfile.gettempdir(), None)
+        error = unexpected(e, cfg.job.dump_folder if cfg is not None else None, None)
         report(error)
         return error.exit_code
     finally:

@@ -7,7 +7,16 @@ input x, the weight w, the output gradient g), on the steps it is armed:
     scale        the multiplier the cast applied (the smallest one for per-row scales)
     underflow    the share of non-zero values that the cast sent to zero
     saturation   the share of non-zero values that landed on the float8 maximum
+    underflow_norm_share   the share of the operand's squared L2 norm that those flushed values
+                 held: what the flush removed from the GEMM, sum(x^2 flushed) / sum(x^2)
+    saturation_norm_share  the share of the squared L2 norm lost to the values on the float8
+                 maximum: sum((x - cast x)^2 over them) / sum(x^2)
     amax_growth  amax / the amax of the first health step of this process
+
+The counts say how many values the cast touched; the norm shares say how much of the operand
+that was, which is what a GEMM's result feels: most of a gradient's entries can be ~1e-8 of its
+largest and flush to zero while holding under 1e-15 of its squared norm. The console warns on
+the norm shares (UNDERFLOW_NORM_WARN, SATURATION_NORM_WARN), not on the counts.
 
 The numbers come out of the float8 matmul itself, through a *probe*: a small leaf tensor
 handed to the linear on armed steps, whose "gradient" the matmul's backward returns as the
@@ -18,7 +27,8 @@ scale, sums for the counts); `collect` reduces over the ranks and reads everythi
 
 With the float8 FSDP all-gather the linear sees only the weight's float8 bytes: its weight
 underflow is then the share of zero bytes (a weight is practically never exactly zero) and
-its amax is recovered from the bytes (exact to float8 rounding).
+its amax is recovered from the bytes (exact to float8 rounding), and its norm shares are NaN
+(what the zero bytes held is gone).
 """
 
 from __future__ import annotations
@@ -31,12 +41,18 @@ import torch.distributed as dist
 from torch import nn
 
 OPERANDS = ("input", "weight", "grad_output")
-QUANTITIES = ("amax", "scale", "underflow", "saturation", "amax_growth")
+QUANTITIES = ("amax", "scale", "underflow", "saturation", "underflow_norm_share", "saturation_norm_share",
+              "amax_growth")
 # The columns of one operand's stats: amax, smallest scale, non-zero values, of those cast to
-# zero, of those cast to +-max.
-N_FIELDS = 5
-# The console warns once per layer and operand past these.
-UNDERFLOW_WARN = 0.01
+# zero, of those cast to +-max, the squared L2 norm, the squared norm the zeroed values held, the
+# squared error of the values on +-max. All but the first two add up over micro-batches and ranks.
+N_FIELDS = 8
+# The console warns once per layer and operand past these shares of the squared norm: 1e-3 is
+# the size of float8's own rounding error (e4m3 moves each value by up to 2**-4 of itself, ~1e-3
+# of the squared norm on average; e5m2 by up to 2**-3), so below it the flush or the clipping
+# costs less than the rounding every value pays anyway.
+UNDERFLOW_NORM_WARN = 1e-3
+SATURATION_NORM_WARN = 1e-3
 AMAX_GROWTH_WARN = 100.0
 # Module names that wrappers (activation checkpointing, compile) add and users never wrote.
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -46,12 +62,24 @@ def cast_stats(hp: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> tor
     """The (N_FIELDS,) float64 stats of casting `hp` to the float8 `data` with `scale`."""
     values = data.to(torch.float32)
     nonzero = hp != 0
+    flushed = nonzero & (values == 0)
+    saturated = nonzero & (values.abs() == torch.finfo(data.dtype).max)
+    amax = hp.abs().max().to(torch.float32)
+    # Squares in float32 relative to amax (a flushed gradient entry ~1e-20 squared would vanish
+    # in absolute float32), summed, then scaled back in float64 so micro-batches and ranks add up.
+    unit = torch.where(amax > 0, amax, 1.0)
+    relative = hp.to(torch.float32) / unit
+    error = relative - values / (scale.to(torch.float32) * unit)
+    squares = unit.double() ** 2
     return torch.stack([
-        hp.abs().max().double(),
+        amax.double(),
         scale.min().double(),
         nonzero.sum().double(),
-        (nonzero & (values == 0)).sum().double(),
-        (nonzero & (values.abs() == torch.finfo(data.dtype).max)).sum().double(),
+        flushed.sum().double(),
+        saturated.sum().double(),
+        relative.square().sum().double() * squares,
+        torch.where(flushed, relative, 0.0).square().sum().double() * squares,
+        torch.where(saturated, error, 0.0).square().sum().double() * squares,
     ])
 
 
@@ -65,6 +93,7 @@ def float8_bytes_stats(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device),
         (values == 0).sum().double(),
         (absolute == torch.finfo(data.dtype).max).sum().double(),
+        *torch.full((3,), math.nan, dtype=torch.float64, device=values.device),
     ])
 
 
@@ -165,12 +194,15 @@ class Float8HealthMonitor:
         warnings: list[str] = []
         worst: dict[tuple[str, str], tuple[float, str]] = {}
         for li, ((name, _), layer) in enumerate(zip(self.layers, rows)):
-            for oi, (operand, (amax, scale, nonzero, under, saturated)) in enumerate(zip(OPERANDS, layer)):
+            for oi, (operand, row) in enumerate(zip(OPERANDS, layer)):
+                amax, scale, nonzero, under, saturated, norm, under_norm, saturated_norm = row
                 first = self._first_amax[li * len(OPERANDS) + oi]
                 values = {
                     "amax": amax, "scale": scale,
                     "underflow": under / nonzero if nonzero > 0 else math.nan,
                     "saturation": saturated / nonzero if nonzero > 0 else math.nan,
+                    "underflow_norm_share": under_norm / norm if norm > 0 else math.nan,
+                    "saturation_norm_share": saturated_norm / norm if norm > 0 else math.nan,
                     "amax_growth": amax / first if first > 0 else math.nan,
                 }
                 for quantity, value in values.items():
@@ -192,15 +224,20 @@ class Float8HealthMonitor:
     def _warnings(self, name: str, operand: str, values: dict[str, float]) -> list[str]:
         found = []
         for quantity, limit, what in (
-            ("underflow", UNDERFLOW_WARN, "of its non-zero values flushed to zero by the float8 cast"),
+            ("underflow_norm_share", UNDERFLOW_NORM_WARN, "of its squared norm flushed to zero by the float8 cast"),
+            ("saturation_norm_share", SATURATION_NORM_WARN, "of its squared norm clipped at the float8 maximum"),
             ("amax_growth", AMAX_GROWTH_WARN, "amax growth since the first float8 health step"),
         ):
             value = values[quantity]
             if math.isfinite(value) and value > limit and (name, operand, quantity) not in self._warned:
                 self._warned.add((name, operand, quantity))
-                shown, limit_shown = ((f"{value:.2%}", f"{limit:.0%}") if quantity == "underflow"
-                                      else (f"{value:.1f}x", f"{limit:g}x"))
-                found.append(f"float8 health: {name} {operand}: {shown} {what} (warning threshold "
+                if quantity == "amax_growth":
+                    shown, limit_shown = f"{value:.1f}x {what}", f"{limit:g}x"
+                else:
+                    count = values[quantity.removesuffix("_norm_share")]
+                    shown = f"{value:.2e} {what} ({count:.2%} of its non-zero values)"
+                    limit_shown = f"{limit:g} of the squared norm"
+                found.append(f"float8 health: {name} {operand}: {shown} (warning threshold "
                              f"{limit_shown}; docs/float8.md, 'Is float8 hurting my loss?')")
         return found
 

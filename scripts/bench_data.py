@@ -25,6 +25,13 @@ this host, and of an all-gather of one number (the latency floor of N processes 
 cores: with more processes than cores, wall time is mostly waiting to be scheduled).
 Rank 0's batches are checked to be the same before and after. An earlier --out file moves to
 previous-N/ beside it first.
+
+--mixture instead: tokens/s of one rank's loader reading as fast as it can (no step sleep),
+the files of data.path as one source against the same files as a weighted mixture
+([[data.sources]], --weights), with each of --workers worker processes, --repeats times
+interleaved (the median is reported: other jobs share the cores):
+
+    python scripts/bench_data.py --mixture --workers 0,1 --steps 60     # ~2 min on 2 cores
 """
 
 from __future__ import annotations
@@ -183,9 +190,58 @@ def gloo_exchange_ms(n: int, message: Any, rounds: int = 50) -> dict[str, float]
     return out.get()
 
 
+def tokens_per_s(make: Callable[[], Any], steps: int, warmup: int) -> float:
+    """Tokens/s of a loader's batches after `warmup` ones (building it not timed)."""
+    it = iter(make())
+    for _ in range(warmup):
+        batch = next(it)
+    t = time.perf_counter()
+    for _ in range(steps):
+        batch = next(it)
+    tokens = steps * batch["input_ids"].numel()
+    del it
+    gc.collect()  # joins the worker processes before the next loader starts its own
+    return tokens / (time.perf_counter() - t)
+
+
+def bench_mixture(a: argparse.Namespace, cfg: Any) -> list[dict[str, Any]]:
+    from trainer.config import SourceConfig
+
+    files = sorted(str(p) for p in Path(cfg.data.path).glob("*.jsonl"))
+    weights = [float(w) for w in a.weights.split(",")]
+    if len(files) != len(weights):
+        raise SystemExit(f"{cfg.data.path} has {len(files)} .jsonl files, --weights gives {len(weights)} weights")
+    sources = [SourceConfig(path=f, weight=w) for f, w in zip(files, weights)]
+    tok = Tokenizer(cfg.model.tokenizer_path)
+    kw = dict(kind="pretrain", path=cfg.data.path, tokenizer=tok, seq_len=cfg.training.seq_len,
+              batch_size=cfg.training.batch_size, dp_rank=0, dp_degree=1, seed=0, text_field=cfg.data.text_field,
+              data_format=cfg.data.format)
+    rows = []
+    for workers in [int(x) for x in a.workers.split(",")]:
+        runs: dict[str, list[float]] = {"single source": [], f"mixture {a.weights}": []}
+        for _ in range(a.repeats):
+            for name in runs:
+                extra = {"sources": sources} if name.startswith("mixture") else {}
+                runs[name].append(tokens_per_s(
+                    lambda extra=extra, workers=workers: build_dataloader(**kw, num_workers=workers, **extra),
+                    a.steps, a.warmup))
+        for name, rates in runs.items():
+            rows.append({"loader": name, "workers": workers, "tokens_per_s": statistics.median(rates),
+                         "all": [round(r) for r in rates]})
+        print(f"{workers} workers done", flush=True)
+    print("\n| loader | workers | tokens/s (median) | runs |")
+    print("|---|--:|--:|---|")
+    for r in rows:
+        print(f"| {r['loader']} | {r['workers']} | {r['tokens_per_s']:,.0f} | {', '.join(f'{x:,}' for x in r['all'])} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="trainer/data/loader.py before sharding (git show 7a9870a:trainer/data/loader.py)")
+    parser.add_argument("--before", help="trainer/data/loader.py before sharding (git show 7a9870a:trainer/data/loader.py)")
+    parser.add_argument("--mixture", action="store_true", help="time one source against a weighted mixture of its files")
+    parser.add_argument("--weights", default="0.7,0.3", help="--mixture: a weight per .jsonl file of data.path")
+    parser.add_argument("--repeats", type=int, default=3, help="--mixture: timings of each loader, interleaved")
     parser.add_argument("--config", default="configs/7b_fp8.toml")
     parser.add_argument("--ranks", default="1,2,8")
     parser.add_argument("--workers", default="0,1,2", help="worker processes per rank to time after sharding")
@@ -199,6 +255,15 @@ def main() -> None:
     out = Path(a.out) if a.out else None
     if out is not None:
         keep_earlier_results(out.parent, [out.name])
+    if a.mixture:
+        print(f"torch {torch.__version__}, {os.cpu_count()} cores; {a.config}: seq_len {cfg.training.seq_len}, "
+              f"batch_size {cfg.training.batch_size}, data {cfg.data.path}", flush=True)
+        rows = bench_mixture(a, cfg)
+        if out is not None:
+            out.write_text(json.dumps({"mixture": rows}, indent=1))
+        return
+    if a.before is None:
+        parser.error("--before is required (or --mixture)")
     spec = importlib.util.spec_from_file_location("data_before", a.before)
     before = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(before)
@@ -252,4 +317,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

@@ -97,4 +97,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

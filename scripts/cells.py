@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import CompileMode, Float8Impl, Float8Scaling
+from trainer.errors import UserError
+from trainer.records import set_aside
+from trainer.run_folder import check_writable
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("bf16", *typing.get_args(Float8Scaling))
@@ -221,7 +224,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-class BadArgs(Exception):
+class BadArgs(UserError):
     """A command-line mistake; its message is the one line the script prints before exiting 2."""
 
 
@@ -315,21 +318,18 @@ def comma_names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
 
 
 def keep_earlier_results(folder: Path, names: Iterable[str]) -> Path | None:
-    """Move the entries `names` of `folder` that exist into ``folder/previous-N/`` (N = 1, 2, ...),
-    as train.py keeps an earlier run's records, and say so in one line.
+    """Check that `folder` (--out) is a writable folder, then move the entries `names` of it that
+    exist into ``folder/previous-N/`` (N = 1, 2, ...), as train.py keeps an earlier run's records,
+    and say so in one line.
 
     Called before any new result is written, so a run that fails leaves the earlier results intact.
     Returns the folder they went to, or None when there was nothing to keep.
     """
+    check_writable(folder, "--out")
     present = [folder / name for name in dict.fromkeys(names) if (folder / name).exists()]
-    if not present:
-        return None
-    taken = [int(p.name.split("-", 1)[1]) for p in folder.glob("previous-*") if p.name.split("-", 1)[1].isdigit()]
-    target = folder / f"previous-{max(taken, default=0) + 1}"
-    target.mkdir()
-    for path in present:
-        path.rename(target / path.name)
-    print(f"kept the earlier {', '.join(p.name for p in present)} in {target}/", flush=True)
+    target = set_aside(folder, present, copy=False)
+    if target is not None:
+        print(f"kept the earlier {', '.join(p.name for p in present)} in {target}/", flush=True)
     return target
 
 

@@ -38,6 +38,8 @@ class CellResult:
     compile: str
     # float8.impl of a float8 cell: ours, or the reference library (torchao); bf16 cells keep ours.
     impl: str = DEFAULT_IMPL
+    # training.seed when the comparison sets one per run (loss_compare --seeds); None: the config's.
+    seed: int | None = None
     ok: bool = False
     reason: str | None = None
     returncode: int | None = None
@@ -63,7 +65,7 @@ class CellResult:
 
     @property
     def name(self) -> str:
-        return f"{self.label}-{self.compile}"
+        return f"{self.label}-{self.compile}" + ("" if self.seed is None else f"-seed{self.seed}")
 
 
 def copy_events(src: Path, dst: Path) -> None:
@@ -87,14 +89,16 @@ def profile_of(run_dir: Path, step: int) -> dict[str, Any]:
 
 
 def run_cell(precision: str, compile_mode: str, cli: argparse.Namespace, extras: list[str],
-             out: Path, train_py: str, impl: str = DEFAULT_IMPL) -> CellResult:
-    """One cell's train.py run, dumping to a new out/runs/<cell>/ with its TensorBoard files under out/tb/."""
-    result = CellResult(precision, compile_mode, impl)
+             out: Path, train_py: str, impl: str = DEFAULT_IMPL, seed: int | None = None) -> CellResult:
+    """One cell's train.py run, dumping to a new out/runs/<cell>/ with its TensorBoard files under out/tb/;
+    `seed` sets training.seed (and names the run)."""
+    result = CellResult(precision, compile_mode, impl, seed)
     run_dir = out / "runs" / result.name
     tb_dir = out / "tb" / result.name
     run_dir.mkdir(parents=True)  # compare_throughput moved an earlier comparison's runs/ aside
+    seeded = [] if seed is None else ["--training.seed", str(seed), "--job.run_name", result.name]
     cmd = [*train_launcher(cli.nproc, train_py), "--config", cli.config, *extras,
-           *cell_overrides(precision, compile_mode, cli.steps, str(run_dir), cli.profile_step, impl)]
+           *cell_overrides(precision, compile_mode, cli.steps, str(run_dir), cli.profile_step, impl), *seeded]
     result.command = display_command(cmd)
     result.log = str(run_dir / "log.txt")
     start = time.perf_counter()

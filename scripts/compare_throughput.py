@@ -204,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             "profile_step": cli.profile_step, "environment": environment(), "config": cli.config,
             "train_overrides": extras, "precisions": cli.precisions, "compile_modes": cli.compile,
             "impls": cli.impls, "torchao": torchao}
+    # Rendered before anything is written: a report that cannot be rendered leaves no half of it.
+    markdown = render_markdown(results, info)
     (out / "comparison.json").write_text(json.dumps(report_json(results, info), indent=2) + "\n")
-    (out / "comparison.md").write_text(render_markdown(results, info))
+    (out / "comparison.md").write_text(markdown)
     run = Run(out / "comparison.json", results, info)
     chart = write_chart(chart_data([run]), out / "comparison.png", chart_title([run]))
     print(f"wrote {out / 'comparison.md'}, {out / 'comparison.json'}"
@@ -220,4 +222,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

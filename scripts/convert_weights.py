@@ -35,7 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer, initialized_model
 from models.llama.weight_conversion import StateDict, WeightsError, check_state_dict
-from models.llama.weight_files import FORMATS, load_tensor_file, read_weights, write_weights
+from models.llama.weight_files import (
+    FORMATS,
+    check_finite,
+    load_tensor_file,
+    read_weights,
+    write_weights,
+)
 from trainer.checkpoint.dcp_reader import (
     dcp_model_prefix,
     dcp_model_shapes,
@@ -154,7 +160,8 @@ def write_dcp(state_dict: StateDict, args: LlamaArgs, path: Path) -> None:
 
 
 def convert(opts: argparse.Namespace) -> None:
-    if opts.dst.exists() and (opts.dst.is_file() or any(opts.dst.iterdir())):
+    # A link (even one to nowhere) is refused too: writing through it would land elsewhere.
+    if opts.dst.is_symlink() or (opts.dst.exists() and (opts.dst.is_file() or any(opts.dst.iterdir()))):
         raise WeightsError(f"{opts.dst}: already exists; choose a new destination")
     if (opts.n_layers or opts.device != "cpu") and opts.src_format != "random":
         raise WeightsError("--n-layers and --device only apply to --from random")
@@ -171,6 +178,8 @@ def convert(opts: argparse.Namespace) -> None:
         args, state_dict = read_dcp(opts.src, opts.flavor)
     else:
         args, state_dict = read_weights(opts.src_format, opts.src)
+    # Before anything is written: a converted copy of damaged weights would pass for healthy ones.
+    check_finite(state_dict, str(opts.src))
     if opts.dtype is not None:
         state_dict = {key: t.to(DTYPES[opts.dtype]) for key, t in state_dict.items()}
     if opts.dst_format == "dcp":
@@ -191,4 +200,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

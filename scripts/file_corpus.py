@@ -16,16 +16,18 @@ the shards are not sorted by directory.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import os
 import random
+import sys
+import time
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 
 from scripts.cells import BadArgs, refuse_to_overwrite
+from trainer.data.globbing import SPECIAL_FILESYSTEMS, glob_files, glob_root
 
 HELDOUT_NAME = "valid"
 DEFAULTS = {
@@ -75,23 +77,25 @@ def check_mode(args: argparse.Namespace, synthetic_given: list[str]) -> None:
                       f"{HELDOUT_NAME}-*.jsonl; choose another --heldout-out or --name")
 
 
-def glob_root(pattern: str) -> str:
-    """The part of `pattern` before its first component with a wildcard (the file's folder if none)."""
-    parts = PurePath(pattern).parts
-    fixed = [p for p in parts[:next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))]]
-    if len(fixed) == len(parts):  # a plain file name
-        fixed = fixed[:-1]
-    return str(PurePath(*fixed)) if fixed else "."
+def check_not_special(pattern: str) -> None:
+    """Refuse a pattern whose fixed part lies in /proc, /sys or /dev: their files are the kernel's, not text."""
+    real = os.path.realpath(glob_root(pattern))
+    for special in SPECIAL_FILESYSTEMS:
+        if real == special or real.startswith(special + "/"):
+            raise BadArgs(f"--from-files {pattern}: {special} is a special filesystem of the kernel (its files are "
+                          "not text, and some never end); give folders of text files")
 
 
 def matched_files(patterns: list[str], exclude: list[str]) -> tuple[list[tuple[str, str]], int]:
     """(path, path relative to its glob's root) of the files matched, in pattern then name order,
-    each file once (by resolved path); and how many were left out by `exclude`."""
+    each file once (by resolved path); and how many were left out by `exclude`. Only regular files
+    are read (not a FIFO, which would block, nor a device)."""
     seen: set[str] = set()
     found, excluded = [], 0
     for pattern in patterns:
+        check_not_special(pattern)
         root = glob_root(pattern)
-        for path in sorted(glob.glob(pattern, recursive=True)):
+        for path in glob_files(pattern):
             if not os.path.isfile(path):
                 continue
             real = os.path.realpath(path)
@@ -129,6 +133,21 @@ class Split:
                 f"(skipped: {skips})")
 
 
+class Progress:
+    """A line on stderr every few seconds while the files are read: a large tree takes minutes."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.last = total, 0, time.monotonic()
+
+    def tick(self) -> None:
+        self.done += 1
+        if time.monotonic() - self.last >= self.EVERY_S:
+            self.last = time.monotonic()
+            print(f"read {self.done} of {self.total} files", file=sys.stderr, flush=True)
+
+
 def read_document(path: str, max_bytes: int) -> tuple[str | None, str | None]:
     """(text, None) for a usable file, else (None, why it is skipped)."""
     try:
@@ -156,7 +175,9 @@ def build(args: argparse.Namespace) -> tuple[Split, Split, int]:
         more = f" ({excluded} under --exclude directories)" if excluded else ""
         raise BadArgs(f"no file matches {' '.join(args.from_files)}{more}")
     texts: set[bytes] = set()
+    progress = Progress(len(files))
     for path, rel in files:
+        progress.tick()
         split = heldout if is_heldout(rel, args.heldout_pct) else train
         split.files += 1
         text, why = read_document(path, args.max_file_bytes)
@@ -186,14 +207,38 @@ def build(args: argparse.Namespace) -> tuple[Split, Split, int]:
 
 def write_shards(split: Split) -> None:
     """Replace the split's earlier <name>-*.jsonl shards with its documents, one {"text": ...} a line."""
-    split.folder.mkdir(parents=True, exist_ok=True)
-    for path in split.folder.glob(f"{split.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"):
-        path.unlink()
-    per = -(-len(split.docs) // split.shards)
-    for i in range(split.shards):
-        with open(split.folder / f"{split.name}-{i:05d}.jsonl", "w", encoding="utf-8", newline="\n") as f:
-            for d in split.docs[i * per:(i + 1) * per]:
-                f.write(json.dumps({"text": d}) + "\n")
+    replace_shards(split.folder, split.name, split.docs, split.shards)
+
+
+def replace_shards(folder: Path, name: str, docs: list[str], shards: int) -> list[Path]:
+    """Write `docs` as `shards` files <name>-NNNNN.jsonl in `folder`, replacing its earlier ones; the paths.
+
+    Every new shard is written in full under a temporary name first: a failure (a full disk) removes
+    them and leaves the earlier corpus as it was. Then each is renamed over its old name, and earlier
+    shards beyond the new count are removed.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    earlier = set(folder.glob(f"{name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))
+    per = -(-len(docs) // shards)
+    written: list[tuple[Path, Path]] = []
+    try:
+        for i in range(shards):
+            final = folder / f"{name}-{i:05d}.jsonl"
+            temporary = folder / f".{final.name}.{os.getpid()}.partial"
+            written.append((temporary, final))
+            with open(temporary, "w", encoding="utf-8", newline="\n") as f:
+                for d in docs[i * per:(i + 1) * per]:
+                    f.write(json.dumps({"text": d}) + "\n")
+    except BaseException:
+        for temporary, _ in written:
+            temporary.unlink(missing_ok=True)
+        raise
+    for temporary, final in written:
+        os.replace(temporary, final)
+        earlier.discard(final)
+    for old in earlier:
+        old.unlink()
+    return [final for _, final in written]
 
 
 def write(train: Split, heldout: Split, excluded: int) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -42,10 +43,11 @@ if str(ROOT) not in sys.path:
 from models.llama import Transformer, seeded_init  # noqa: E402
 from models.llama.generation import generate, generate_without_cache  # noqa: E402
 from models.llama.weight_conversion import WeightsError  # noqa: E402
-from models.llama.weight_files import read_weights  # noqa: E402
+from models.llama.weight_files import check_finite, read_weights  # noqa: E402
 from trainer.checkpoint.dcp_reader import load_dcp_model  # noqa: E402
 from trainer.checkpoint.folder import step_folders  # noqa: E402
 from trainer.checkpoint.identity import check_tokenizer  # noqa: E402
+from trainer.checkpoint.initial_weights import check_weights_fit  # noqa: E402
 from trainer.config import Config, build_config  # noqa: E402
 from trainer.data.sft import turn_strings  # noqa: E402
 from trainer.data.tokenizer import Tokenizer  # noqa: E402
@@ -107,6 +109,10 @@ def load_model(
         path = Path(path_str) if path_str else None
     if path is not None:
         check_tokenizer(path, tokenizer)
+        # From the weights' metadata, before the model is built: a larger flavour than the weights'
+        # would otherwise be allocated whole (a 7B in fp32 is 27 GB) before they are refused.
+        check_weights_fit(path / "model.safetensors" if fmt == "export" else path,
+                          "torch" if fmt == "export" else fmt, args, "--weights" if weights else "weights")
     # Built on meta and materialised on the target device: a 7B model never needs a CPU copy.
     with torch.device("meta"):
         model = Transformer(args)
@@ -115,6 +121,8 @@ def load_model(
     seeded_init(model, cfg.training.seed, device)
     if path is None:
         source = "no checkpoint: the untrained initialisation"
+        print("warning: no weights (no --weights, no checkpoint of the config, no checkpoint.initial_load_path): "
+              "generating with the untrained initialisation, whose output is noise", file=sys.stderr, flush=True)
     elif fmt == "dcp":
         load_dcp_model(model, path, what="checkpoint")
         source = str(path)
@@ -127,6 +135,10 @@ def load_model(
             raise UserError(str(e)) from None
         model.load_state_dict(state_dict)
         source = str(path)
+    try:
+        check_finite(model.state_dict(), f"weights {source}")
+    except WeightsError as e:
+        raise UserError(str(e)) from None
     with torch.no_grad():
         # Parameters only: the rope table stays fp32.
         for p in model.parameters():
@@ -138,6 +150,14 @@ def chat_prompt(tokenizer: Tokenizer, user: str, system: str | None = None) -> l
     """LLaMA-2 chat tokens of one user message, up to and including ``[/INST]``."""
     prompt, _ = turn_strings((system, [(user, "")]))[0]
     return tokenizer.encode(prompt, bos=True, eos=False)
+
+
+def check_prompt_lengths(prompts: list[list[int]], max_seq_len: int) -> None:
+    """Refuse a prompt that leaves no room for a new token: generation would end before it began."""
+    for k, prompt in enumerate(prompts):
+        if len(prompt) >= max_seq_len:
+            raise UserError(f"prompt {k + 1} is {len(prompt)} tokens, but the model attends to at most max_seq_len = "
+                            f"{max_seq_len}, so nothing could be generated; shorten it or raise --model.max_seq_len")
 
 
 class Progress:
@@ -237,14 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     add_model_flags(parser)
     try:
         opts, cfg = parse(parser, argv)
-        if not 0 < opts.top_p <= 1 or opts.temperature < 0 or opts.num_samples < 1:
-            raise UserError("need 0 < --top_p <= 1, --temperature >= 0 and --num_samples >= 1")
+        # `not`: NaN fails every comparison, so it is refused too.
+        if not (0 < opts.top_p <= 1 and 0 <= opts.temperature < math.inf and opts.num_samples >= 1):
+            raise UserError(f"need 0 < --top_p <= 1, a finite --temperature >= 0 and --num_samples >= 1 (got "
+                            f"--top_p {opts.top_p}, --temperature {opts.temperature}, --num_samples {opts.num_samples})")
         model, tokenizer, source = model_from_opts(opts, cfg)
         print(f"weights: {source}", file=sys.stderr, flush=True)
         if opts.raw:
             prompts = [tokenizer.encode(p, bos=True, eos=False) for p in opts.prompt]
         else:
             prompts = [chat_prompt(tokenizer, p, opts.system) for p in opts.prompt]
+        check_prompt_lengths(prompts, model.model_args.max_seq_len)
         prompts = [p for p in prompts for _ in range(opts.num_samples)]
         generator = torch.Generator().manual_seed(opts.seed)
         outputs = generate_with(
@@ -262,4 +285,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

@@ -1,5 +1,6 @@
 """loss_compare.png: the smoothed training-loss curves of every run (held-out losses as markers) and,
-below, each float8 run's gap to bf16 in %, with the ±tolerance band. Needs matplotlib."""
+below, each float8 run's gap to the bf16 run of its seed in %, with bf16's seed-to-seed spread as
+the band (several seeds) or the ±tolerance band (one seed). Needs matplotlib."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 from scripts.cells import PRECISIONS
 from scripts.compare_chart import pyplot_for
-from scripts.loss_report import baseline_of, moving_average, relative_gap_pct, validation_of
+from scripts.loss_seeds import METRIC_NAMES, seed_metric
+from scripts.loss_series import baseline_of, moving_average, relative_gap_pct, validation_of
 
 
 def _title(report: dict[str, Any]) -> str:
@@ -25,14 +27,16 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         return False
     window, tolerance = report["window"], report["tolerance"]
     runs = [r for r in report["runs"] if r["train_steps"]]
-    base = baseline_of(report["runs"])
+    bases = {r.get("seed"): baseline_of(report["runs"], r.get("seed")) for r in runs}
     smooth = {r["name"]: moving_average(r["train_steps"], r["train_loss"], window) for r in runs}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8.0, 6.5), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]})
+    labelled = set()
     for r in runs:
         color = f"C{PRECISIONS.index(r['precision'])}"
         curve = smooth[r["name"]]
-        label = r["precision"] + ("" if r["ok"] else " (failed)")
+        label = None if r["precision"] in labelled else r["precision"] + ("" if r["ok"] else " (failed)")
+        labelled.add(r["precision"])
         top.plot(list(curve), list(curve.values()), color=color, label=label, linewidth=1.2)
         val = validation_of(r)
         if val:
@@ -44,20 +48,33 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
         top.legend(fontsize=8)
     top.grid(alpha=0.3)
 
-    bottom.axhspan(-tolerance, tolerance, color="0.85", label=f"±{tolerance:g} %")
-    bottom.axhline(0.0, color="0.4", linewidth=0.8)
-    if base is None:
-        bottom.text(0.5, 0.5, "no bf16 run: no gaps", transform=bottom.transAxes, ha="center", va="center")
+    band, metric = report.get("bf16_seed_spread_nats"), report.get("noise_metric")
+    bf16_level = [v for r in report["runs"] if r["precision"] == "bf16" and r["ok"] and r.get("seed") is not None
+                  and (v := seed_metric(r, metric, report["steps"])) is not None] if band is not None else []
+    if bf16_level:
+        # The band in % of bf16's loss, so that it reads on the same axis as the gaps.
+        band_pct = 100.0 * band / (sum(bf16_level) / len(bf16_level))
+        bottom.axhspan(-band_pct, band_pct, color="0.85",
+                       label=f"bf16 seed spread, {METRIC_NAMES[metric].split(' (')[0]} (±{band_pct:.2f} %)")
     else:
-        ref = smooth[base["name"]]
-        for r in runs:
-            if r is base:
-                continue
-            curve = smooth[r["name"]]
-            steps = sorted(curve.keys() & ref.keys())
-            gaps = [relative_gap_pct(curve[s], ref[s]) for s in steps]
-            bottom.plot(steps, [g if g is not None else float("nan") for g in gaps],
-                        color=f"C{PRECISIONS.index(r['precision'])}", label=r["precision"], linewidth=1.2)
+        bottom.axhspan(-tolerance, tolerance, color="0.85", label=f"±{tolerance:g} %")
+    bottom.axhline(0.0, color="0.4", linewidth=0.8)
+    paired = [r for r in runs if r["precision"] != "bf16" and bases[r.get("seed")] is not None]
+    if not paired:
+        bottom.text(0.5, 0.5, "no bf16 run: no gaps", transform=bottom.transAxes, ha="center", va="center")
+    labelled = set()
+    for r in paired:
+        ref, curve = smooth[bases[r.get("seed")]["name"]], smooth[r["name"]]
+        steps = sorted(curve.keys() & ref.keys())
+        gaps = [relative_gap_pct(curve[s], ref[s]) for s in steps]
+        color = f"C{PRECISIONS.index(r['precision'])}"
+        bottom.plot(steps, [g if g is not None else float("nan") for g in gaps], color=color, linewidth=1.0,
+                    label=None if r["precision"] in labelled else r["precision"])
+        labelled.add(r["precision"])
+        base_val, val = validation_of(bases[r.get("seed")]), validation_of(r)
+        held = sorted(val.keys() & base_val.keys())
+        bottom.plot(held, [relative_gap_pct(val[s], base_val[s]) for s in held], "o", color=color, markersize=4,
+                    markeredgecolor="black", markeredgewidth=0.5)
     bottom.set_ylabel("gap to bf16 (%)")
     bottom.set_xlabel("step")
     bottom.legend(fontsize=8)

@@ -7,14 +7,19 @@
     python scripts/loss_compare.py --config configs/7b_fp8.toml --nproc 8 --precisions bf16 --out loss/bf16
     python scripts/loss_compare.py --config configs/7b_fp8.toml --nproc 8 --precisions tensorwise --out loss/tw
     python scripts/loss_compare.py --merge loss/bf16/loss_compare.json loss/tw/loss_compare.json --out loss/
+    # gaps measured against bf16's own seed-to-seed noise: a run per precision x seed
+    python scripts/loss_compare.py --config configs/7b_fp8.toml --nproc 8 --seeds 42,43,44 --out loss/
 
-One train.py run per precision (one compile mode, log_freq 1); arguments after `--` go to every
-run. Writes, under --out:
+One train.py run per precision (one compile mode, log_freq 1), and per seed with --seeds
+(training.seed); arguments after `--` go to every run. Writes, under --out:
 
-    loss_compare.md     per recipe: final training loss and its gap to bf16, the worst gap of the
-                        moving averages, held-out losses and tokens/s; a verdict per float8 recipe
+    loss_compare.md     per run: final training loss and its gap to bf16 (of the same seed), the
+                        worst gap of the moving averages, held-out losses and tokens/s; with several
+                        seeds, bf16's seed-to-seed spread (the noise band) and each float8 recipe's
+                        gap to bf16 paired by seed, mean ± spread; a verdict per float8 recipe
     loss_compare.json   the same, with every run's loss series, commands, failures and versions
-    loss_compare.png    smoothed loss curves and the gap to bf16 with the ±tolerance band (matplotlib)
+    loss_compare.png    smoothed loss curves and the gap to bf16 with the noise band (several seeds)
+                        or the ±tolerance band (one seed) (matplotlib)
     tb/<run>/           each run's TensorBoard events, side by side
     runs/<run>/         each run's dump folder and log.txt (stdout + stderr)
 
@@ -57,19 +62,18 @@ from scripts.loss_report import (  # noqa: E402
     DEFAULT_TOLERANCE_PCT,
     PartError,
     build_report,
-    default_window,
     health_of,
     load_part,
     render_markdown,
     render_table,
-    series_of,
 )
+from scripts.loss_series import default_window, run_label, series_of  # noqa: E402
 
 DEFAULT_STEPS = 1000
 DEFAULT_COMPILE = "block"
 REPORTS = ("loss_compare.md", "loss_compare.json", "loss_compare.png")
 OUTPUTS = (*REPORTS, "tb", "runs")
-RUN_ONLY = ("--config", "--steps", "--precisions", "--compile", "--nproc", "--warmup")
+RUN_ONLY = ("--config", "--steps", "--precisions", "--seeds", "--compile", "--nproc", "--warmup")
 # What the parts of a merge must share for their losses to be comparable.
 SHARED = (("config", "config"), ("steps", "steps"), ("train_overrides", "train overrides after `--`"),
           ("compile", "compile mode"), ("nproc", "nproc"))
@@ -96,7 +100,12 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
         raise BadArgs("the following arguments are required: --config (or --merge PART.json ...)")
     cli.steps = DEFAULT_STEPS if cli.steps is None else cli.steps
     cli.nproc = 1 if cli.nproc is None else cli.nproc
-    cli.precisions = comma_names(cli.precisions or "bf16,tensorwise,rowwise", PRECISIONS, "--precisions")
+    # `is None`: an empty --precisions (an unset shell variable) is refused, not the default.
+    default = "bf16,tensorwise,rowwise"
+    cli.precisions = comma_names(default if cli.precisions is None else cli.precisions, PRECISIONS, "--precisions")
+    cli.seeds = seed_list(cli.seeds) if cli.seeds is not None else [None]
+    if cli.seeds != [None] and "--training.seed" in extras:
+        raise BadArgs("--training.seed is set for each run by --seeds: drop it after `--`")
     cli.compile = DEFAULT_COMPILE if cli.compile is None else cli.compile.strip()
     if cli.compile not in COMPILE_MODES:
         raise BadArgs(f"--compile takes one mode of {', '.join(COMPILE_MODES)}, got '{cli.compile}'")
@@ -109,6 +118,18 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
     check_config_and_overrides(cli.config, extras, "run", "--precisions, --compile, --steps or --out")
 
 
+def seed_list(text: str) -> list[int]:
+    """The distinct integers of a comma list, in order; raises BadArgs otherwise."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        seeds = list(dict.fromkeys(int(t) for t in items))
+    except ValueError:
+        raise BadArgs(f"--seeds takes a comma list of integers, got '{text}'") from None
+    if not seeds:
+        raise BadArgs("--seeds needs at least one integer")
+    return seeds
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(options, train.py overrides after `--`); raises BadArgs with a one-line message."""
     argv, extras = split_train_args(argv)
@@ -117,6 +138,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--config", help="train.py TOML config (required unless --merge)")
     p.add_argument("--steps", type=int, help=f"optimizer steps per run (default {DEFAULT_STEPS})")
     p.add_argument("--precisions", help=f"comma list of {', '.join(PRECISIONS)} (default bf16,tensorwise,rowwise)")
+    p.add_argument("--seeds", help="comma list of training.seed values: a run per precision and seed, gaps "
+                                   "measured against bf16's seed-to-seed spread (default: one run, the config's seed)")
     p.add_argument("--compile", help=f"one of {', '.join(COMPILE_MODES)} (default {DEFAULT_COMPILE})")
     p.add_argument("--nproc", type=int, help="processes (GPUs) per run; >1 uses torch.distributed.run (default 1)")
     p.add_argument("--warmup", type=int, help="steps left out of the tokens/s median (default min(3, steps-1))")
@@ -142,15 +165,16 @@ def merge_parts(parts: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]
             if part[key] != first[key]:
                 raise BadArgs(f"--merge: {first_path} and {path} disagree on {label} "
                               f"({json.dumps(first[key])} vs {json.dumps(part[key])})")
-    seen: dict[str, Path] = {}
+    seen: dict[tuple[str, int | None], Path] = {}
     runs = []
     for path, part in parts:
         for run in part["runs"]:
-            if run["precision"] in seen:
-                raise BadArgs(f"--merge: {run['precision']} appears twice ({seen[run['precision']]} and {path})")
-            seen[run["precision"]] = path
+            key = (run["precision"], run.get("seed"))
+            if key in seen:
+                raise BadArgs(f"--merge: {run_label(run)} appears twice ({seen[key]} and {path})")
+            seen[key] = path
             runs.append(run)
-    if BASELINE not in seen:
+    if not any(precision == BASELINE for precision, _ in seen):
         raise BadArgs("--merge: no part has a bf16 run, so there is nothing to compare against")
     return runs
 
@@ -179,7 +203,7 @@ def merge(cli: argparse.Namespace, command: str, date: str) -> tuple[dict[str, A
             else _agreed(parts, "tolerance", DEFAULT_TOLERANCE_PCT),
             "precisions": sorted({r["precision"] for r in runs}, key=PRECISIONS.index),
             "parts": [{"path": str(path), "command": part["command"], "date": part["date"],
-                       "environment": part["environment"], "precisions": [r["precision"] for r in part["runs"]]}
+                       "environment": part["environment"], "precisions": [run_label(r) for r in part["runs"]]}
                       for path, part in parts]}
     return info, runs
 
@@ -192,17 +216,21 @@ def run_entry(r: CellResult, metrics: Path, warmup: int) -> dict[str, Any]:
         records = []
     keep = ("precision", "compile", "ok", "reason", "returncode", "wall_s", "command", "log", "tps",
             "tflops", "peak_memory_gib", "first_step_s", "final_loss", "steps_measured")
-    return {"name": r.name, **{k: getattr(r, k) for k in keep}, "warmup": warmup, **series_of(records),
+    return {"name": r.name, **{k: getattr(r, k) for k in keep}, "seed": r.seed, "warmup": warmup, **series_of(records),
             "health": health_of(records)}
 
 
 def run_all(cli: argparse.Namespace, extras: list[str], out: Path, train_py: str) -> list[dict[str, Any]]:
     runs = []
-    for i, precision in enumerate(cli.precisions, 1):
-        tag = f"[{i}/{len(cli.precisions)}] {precision}-{cli.compile}"
-        print(f"{tag}: running {cli.steps} steps, log in {out / 'runs' / f'{precision}-{cli.compile}' / 'log.txt'}",
-              flush=True)
-        r = run_cell(precision, cli.compile, cli, extras, out, train_py)
+    # Evaluations read the whole held-out set unless the user says how many batches.
+    run_extras = extras if "--validation.steps" in extras else [*extras, "--validation.steps", "0"]
+    # Seed by seed, so that a comparison cut short still holds whole pairs.
+    cells = [(seed, precision) for seed in cli.seeds for precision in cli.precisions]
+    for i, (seed, precision) in enumerate(cells, 1):
+        name = CellResult(precision, cli.compile, seed=seed).name
+        tag = f"[{i}/{len(cells)}] {name}"
+        print(f"{tag}: running {cli.steps} steps, log in {out / 'runs' / name / 'log.txt'}", flush=True)
+        r = run_cell(precision, cli.compile, cli, run_extras, out, train_py, seed=seed)
         status = (f"final loss {r.final_loss:.4f}, {r.tps:,.0f} tokens/s/GPU" if r.ok else f"FAILED: {r.reason}")
         print(f"{tag}: {status} ({r.wall_s or 0:.0f} s)", flush=True)
         runs.append(run_entry(r, out / "runs" / r.name / "metrics.jsonl", cli.warmup))
@@ -210,8 +238,10 @@ def run_all(cli: argparse.Namespace, extras: list[str], out: Path, train_py: str
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
+    # Rendered before anything is written: a report that cannot be rendered leaves no half of it.
+    markdown = render_markdown(report)
     (out / "loss_compare.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "loss_compare.md").write_text(render_markdown(report))
+    (out / "loss_compare.md").write_text(markdown)
     chart = write_chart(report, out / "loss_compare.png")
     print(f"wrote {out / 'loss_compare.md'}, {out / 'loss_compare.json'}"
           + (f", {out / 'loss_compare.png'}" if chart else ""), flush=True)
@@ -252,4 +282,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

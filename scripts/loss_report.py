@@ -1,93 +1,44 @@
 """The numbers of scripts/loss_compare.py and its loss_compare.md / loss_compare.json.
 
-A run is a dict (as loss_compare.json keeps it): precision, compile, ok, reason, command, log,
-tps, warmup, and its series: train_steps / train_loss (every logged step) and validation_loss
-({"step": loss}). `build_report` adds each run's stats (gaps to bf16 by step) and the verdicts;
-it is what a merge calls again on the runs of several parts, so nothing is trusted from them.
-Gaps are signed, relative to bf16, in %: positive when float8's loss is higher (worse).
+A run is a dict (as loss_compare.json keeps it): precision, compile, seed (None: the config's),
+ok, reason, command, log, tps, warmup, and its series: train_steps / train_loss (every logged
+step) and validation_loss ({"step": loss}). `build_report` adds each run's stats (gaps to the bf16
+run of the same seed, by step) and the verdicts; it is what a merge calls again on the runs of
+several parts, so nothing is trusted from them. Gaps are signed, relative to bf16, in %: positive
+when float8's loss is higher (worse).
+
+With seeds, the verdicts weigh each recipe's gap against bf16's own seed noise (scripts/loss_seeds.py).
 """
 
 from __future__ import annotations
 
-import math
-import statistics
 from pathlib import Path
 from typing import Any
 
 from scripts.cells import BASELINE, PRECISIONS, load_json_file
 from scripts.compare_report import format_number
+from scripts.loss_seeds import render_seeds, seed_summary, seed_verdict
+from scripts.loss_series import (
+    baseline_of,
+    moving_average,
+    relative_gap_pct,
+    run_label,
+    tail_mean,
+    tail_steps,
+    validation_of,
+    worst_window_gap,
+)
 
 KIND = "loss_compare"
 DEFAULT_TOLERANCE_PCT = 0.5
 MAX_VALIDATION_COLUMNS = 4  # more evaluations than this: the table shows the last one only
 HEALTH_OPERANDS = ("input", "weight", "grad_output")
 HEALTH_PREFIX = "float8/worst/"
+HEALTH_SHARES = ("underflow", "underflow_norm_share", "saturation", "saturation_norm_share")
 
 
 class PartError(Exception):
     """A loss_compare.json that is missing, unreadable or not one."""
-
-
-def default_window(steps: int) -> int:
-    return max(1, steps // 20)
-
-
-def tail_steps(steps: int) -> int:
-    """How many of the last steps the final training loss averages: 10 %, at least 1."""
-    return max(1, steps // 10)
-
-
-def finite(steps: list[int], losses: list[float | None]) -> tuple[list[int], list[float]]:
-    """The (step, loss) pairs with a finite loss (metrics.jsonl writes NaN and inf as null)."""
-    pairs = [(s, x) for s, x in zip(steps, losses) if x is not None and math.isfinite(x)]
-    return [s for s, _ in pairs], [x for _, x in pairs]
-
-
-def tail_mean(steps: list[int], losses: list[float | None], total_steps: int) -> float | None:
-    """Mean loss over steps > total_steps - tail_steps(total_steps); None when none is finite."""
-    first = total_steps - tail_steps(total_steps)
-    tail = [x for s, x in zip(*finite(steps, losses)) if s > first]
-    return statistics.fmean(tail) if tail else None
-
-
-def relative_gap_pct(value: float | None, base: float | None) -> float | None:
-    """100 * (value - base) / |base|; None when either is missing or base is 0."""
-    if value is None or base is None or base == 0:
-        return None
-    return 100.0 * (value - base) / abs(base)
-
-
-def moving_average(steps: list[int], losses: list[float | None], window: int) -> dict[int, float]:
-    """Trailing mean of `window` consecutive finite losses, keyed by the step that ends the window."""
-    steps, losses = finite(steps, losses)
-    return {steps[i]: statistics.fmean(losses[i + 1 - window:i + 1]) for i in range(window - 1, len(losses))}
-
-
-def worst_window_gap(base: dict[int, float], other: dict[int, float]) -> tuple[float, int] | None:
-    """(gap %, step) of the largest |gap| between two moving averages at their common steps; first wins ties."""
-    worst = None
-    for step in sorted(base.keys() & other.keys()):
-        gap = relative_gap_pct(other[step], base[step])
-        if gap is not None and (worst is None or abs(gap) > abs(worst[0])):
-            worst = (gap, step)
-    return worst
-
-
-def validation_of(run: dict[str, Any]) -> dict[int, float]:
-    """The run's held-out losses by step (JSON keys are strings), finite ones only."""
-    return {int(s): x for s, x in (run.get("validation_loss") or {}).items()
-            if x is not None and math.isfinite(x)}
-
-
-def series_of(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """train_steps, train_loss and validation_loss of metrics.jsonl records, by step."""
-    records = sorted((r for r in records if isinstance(r.get("step"), int)), key=lambda r: r["step"])
-    return {
-        "train_steps": [r["step"] for r in records],
-        "train_loss": [r.get("loss") for r in records],
-        "validation_loss": {str(r["step"]): r["validation/loss"] for r in records
-                            if isinstance(r.get("validation/loss"), (int, float))},
-    }
 
 
 def health_of(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -157,18 +108,16 @@ def verdict(precision: str, stats: dict[str, Any], tolerance: float) -> tuple[bo
     return within, f"{precision}: {text}"
 
 
-def baseline_of(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return next((r for r in runs if r["precision"] == BASELINE and r["ok"]), None)
-
-
 def build_report(info: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """loss_compare.json: info, the runs (in PRECISIONS order) with their stats, verdicts and failures."""
-    runs = sorted(runs, key=lambda r: PRECISIONS.index(r["precision"]))
-    base = baseline_of(runs)
+    """loss_compare.json: info, the runs (in PRECISIONS order, then by seed) with their stats, the seed
+    comparison when the runs have seeds, verdicts and failures."""
+    runs = sorted(runs, key=lambda r: (PRECISIONS.index(r["precision"]), r.get("seed") or 0))
+    summary = seed_summary(runs, info["steps"])
     verdicts = {}
     for run in runs:
+        base = baseline_of(runs, run.get("seed"))
         run["stats"] = run_stats(run, base, info["steps"], info["window"]) if run["ok"] else None
-        if run["precision"] == BASELINE:
+        if run["precision"] == BASELINE or summary["seeds"]:
             continue
         if base is None:
             verdicts[run["precision"]] = {"within": None, "text": f"{run['precision']}: no verdict: bf16 is missing"}
@@ -177,7 +126,10 @@ def build_report(info: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, 
         else:
             within, text = verdict(run["precision"], run["stats"], info["tolerance"])
             verdicts[run["precision"]] = {"within": within, "text": text}
-    return {"kind": KIND, **info, "baseline": BASELINE, "runs": runs, "verdicts": verdicts,
+    if summary["seeds"]:
+        bands = summary["bf16_seed_spread_by_metric_nats"]
+        verdicts = {p: seed_verdict(p, recipe, bands) for p, recipe in summary["recipes"].items()}
+    return {"kind": KIND, **info, "baseline": BASELINE, **summary, "runs": runs, "verdicts": verdicts,
             "failures": {r["name"]: r["reason"] for r in runs if not r["ok"]}}
 
 
@@ -190,7 +142,6 @@ def validation_columns(report: dict[str, Any]) -> tuple[list[int], int]:
 def render_table(report: dict[str, Any]) -> str:
     """One row per run: final training loss and gap, worst moving-window gap, held-out losses, tokens/s."""
     shown, evaluated = validation_columns(report)
-    base = baseline_of(report["runs"])
     last_of = f" (last of {evaluated})" if len(shown) < evaluated else ""
     header = (["precision", f"train loss (last {tail_steps(report['steps'])} steps)", "vs bf16",
                f"worst gap (window {report['window']})"]
@@ -198,13 +149,14 @@ def render_table(report: dict[str, Any]) -> str:
     rows = ["| " + " | ".join(header) + " |", "|---|" + "--:|" * (len(header) - 1)]
     for r in report["runs"]:
         if not r["ok"]:
-            rows.append(f"| {r['precision']} | failed |" + " |" * (len(header) - 2))
+            rows.append(f"| {run_label(r)} | failed |" + " |" * (len(header) - 2))
             continue
+        base = baseline_of(report["runs"], r.get("seed"))
         st, is_base = r["stats"], r is base
         val, val_gaps = validation_of(r), st["validation_gap_pct"]
         worst = ("-" if is_base else "n/a" if st["worst_window_step"] is None
                  else f"{gap_text(st['worst_window_gap_pct'])} @ step {st['worst_window_step']}")
-        cells = [r["precision"], "n/a" if st["train_loss_tail"] is None else f"{st['train_loss_tail']:.4f}",
+        cells = [run_label(r), "n/a" if st["train_loss_tail"] is None else f"{st['train_loss_tail']:.4f}",
                  "baseline" if is_base else gap_text(st["train_gap_pct"]), worst]
         for s in shown:
             text = f"{val[s]:.4f}" if s in val else "-"
@@ -224,27 +176,32 @@ def render_health(report: dict[str, Any]) -> str:
     if not runs:
         return ""
     lines = ["## Float8 health", "",
-             "From the last record of each run with `float8/worst/...` keys: the layer with the largest "
-             "fraction of values that underflow to zero or saturate at the float8 maximum, per operand.", "",
-             "| recipe | step | operand | worst underflow | layer | worst saturation | layer |",
-             "|---|--:|---|--:|---|--:|---|"]
+             "From the last record of each run with `float8/worst/...` keys: per operand, the layer with the "
+             "largest share of its non-zero values that underflow to zero or saturate at the float8 maximum "
+             "(count), and the layer with the largest share of its squared L2 norm those values held (norm "
+             "share: the harm; under ~1e-3, float8's own rounding error, it costs nothing).", "",
+             "| recipe | step | operand | underflow (count) | layer | underflow (norm share) | layer "
+             "| saturation (count) | layer | saturation (norm share) | layer |",
+             "|---|--:|---|--:|---|--:|---|--:|---|--:|---|"]
     growth = []
     for r in runs:
         ops = r["health"]["operands"]
         order = [op for op in HEALTH_OPERANDS if op in ops] + sorted(set(ops) - set(HEALTH_OPERANDS))
         for op in order:
-            if "underflow" not in ops[op] and "saturation" not in ops[op]:
+            if not any(q in ops[op] for q in HEALTH_SHARES):
                 continue
             cells = []
-            for q in ("underflow", "saturation"):
+            for q in HEALTH_SHARES:
                 entry = ops[op].get(q)
-                cells += ["-", "-"] if entry is None else [f"{100 * entry['value']:.3g} %", entry.get("layer", "?")]
-            lines.append(f"| {r['precision']} | {r['health']['step']} | {op} | " + " | ".join(cells) + " |")
+                shown = None if entry is None else (f"{entry['value']:.2g}" if q.endswith("_norm_share")
+                                                    else f"{100 * entry['value']:.3g} %")
+                cells += ["-", "-"] if entry is None else [shown, entry.get("layer", "?")]
+            lines.append(f"| {run_label(r)} | {r['health']['step']} | {op} | " + " | ".join(cells) + " |")
         amax = [(ops[op]["amax_growth"]["value"], op, ops[op]["amax_growth"].get("layer", "?"))
                 for op in order if "amax_growth" in ops[op]]
         if amax:
             value, op, layer = max(amax, key=lambda t: t[0])
-            growth.append(f"{r['precision']}: {format_number(value)} ({op}, {layer})")
+            growth.append(f"{run_label(r)}: {format_number(value)} ({op}, {layer})")
     if growth:
         lines += ["", "Largest amax growth: " + "; ".join(growth) + "."]
     return "\n".join(lines)
@@ -256,10 +213,12 @@ def _device(env: dict[str, Any]) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     env, steps = report["environment"], report["steps"]
-    base = baseline_of(report["runs"])
+    has_base = any(r["precision"] == BASELINE and r["ok"] for r in report["runs"])
     parts = ["# Is float8 hurting my loss? bf16 vs float8, same config, seed and data", "",
              render_table(report), ""]
-    if base is None:
+    if seeds := render_seeds(report):
+        parts += [seeds, ""]
+    if not has_base:
         parts += ["bf16 is missing (not among these runs, or it failed): no gaps to compare. Run it with "
                   "`--precisions bf16` and combine the parts with `--merge`.", ""]
     if report["verdicts"]:
@@ -270,12 +229,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     warmups = sorted({r.get("warmup") for r in report["runs"] if r.get("warmup") is not None})
     parts += [
         f"train loss: mean training loss over the last {tail_steps(steps)} of {steps} steps; vs bf16: its "
-        "gap to bf16's, signed (positive: float8's loss is higher). worst gap: the largest gap, signed, "
+        "gap to bf16's (of the same seed), signed (positive: float8's loss is higher). worst gap: the largest gap, signed, "
         f"between the two runs' moving averages of the training loss over {report['window']} steps, and "
         "the step that ends that window. held-out @ N: the validation loss at step N (gap to bf16 in "
         f"brackets). tokens/s/GPU: median after the {'/'.join(map(str, warmups)) or '?'} warm-up steps "
-        f"(vs bf16 in brackets). Verdicts use ±{report['tolerance']:g} % on the final training loss and "
-        "the last held-out loss." + ("" if env.get("gpu") else " On a CPU without native bf16 the bf16 run "
+        f"(vs bf16 in brackets). " + (
+            "Verdicts weigh the mean held-out gap (the training one without evaluations) against bf16's seed "
+            "spread of the same loss." if report.get("seeds") else
+            f"Verdicts use ±{report['tolerance']:g} % on the final training loss and the last held-out loss; "
+            "one seed cannot tell a gap from bf16's own seed noise: use --seeds 42,43,44.") + ("" if env.get("gpu") else " On a CPU without native bf16 the bf16 run "
                                      "computes in float32 (training.mixed_precision_param = auto)."), ""]
     if health := render_health(report):
         parts += [health, ""]

@@ -19,7 +19,6 @@ whole files held out by a hash of their path below the glob's root; see scripts/
 """
 
 import argparse
-import json
 import random
 import re
 import sys
@@ -31,6 +30,7 @@ if str(ROOT) not in sys.path:
 
 from scripts import file_corpus  # noqa: E402
 from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
+from trainer.run_folder import check_writable  # noqa: E402
 
 NAMES = [
     "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry", "Ivy", "Jack",
@@ -264,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_files:
             file_corpus.write(*file_corpus.build(args))
             return 0
+        if args.shards < 1 or (args.docs is not None and args.docs < 1):
+            raise BadArgs(f"--shards and --docs must be at least 1, got --shards {args.shards}, --docs {args.docs}")
         out = Path(args.out)
+        check_writable(out, "--out")
         earlier = sorted(out.glob(f"{args.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))
         if not args.force:
             refuse_to_overwrite(earlier)
@@ -273,18 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     docs = make_docs(3000 if args.docs is None else args.docs, args.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    for path in earlier:
-        path.unlink()
-    per = -(-len(docs) // args.shards)
-    for i in range(args.shards):
-        path = out / f"{args.name}-{i:05d}.jsonl"
-        with open(path, "w", encoding="utf-8", newline="\n") as f:
-            for d in docs[i * per:(i + 1) * per]:
-                f.write(json.dumps({"text": d}) + "\n")
+    for path in file_corpus.replace_shards(out, args.name, docs, args.shards):
         print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

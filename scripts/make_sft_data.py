@@ -131,4 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

@@ -15,6 +15,7 @@ An existing --out is refused unless --force (checked before training).
 
 import argparse
 import io
+import itertools
 import os
 import sys
 from collections.abc import Iterator
@@ -52,9 +53,27 @@ def sentences(paths: list[str]) -> Iterator[str]:
 
 
 def train(paths: list[str], vocab_size: int) -> bytes:
+    """A BPE SentencePiece model of `vocab_size` pieces; a corpus it cannot be trained on (no text, or
+    too little for the vocabulary) is a one-line UserError naming sentencepiece's reason."""
+    if vocab_size < 4:  # unk, bos, eos and one piece
+        raise UserError(f"--vocab-size must be at least 4, got {vocab_size}")
+    lines = sentences(paths)
+    first = next(lines, None)
+    if first is None:
+        raise UserError(f"{', '.join(paths)} hold no text to train a tokenizer on (every row is empty or whitespace)")
     model = io.BytesIO()
+    try:
+        _train_into(model, itertools.chain([first], lines), vocab_size)
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise UserError(f"sentencepiece cannot train a {vocab_size}-piece tokenizer on {', '.join(paths)}: "
+                        f"{reason}") from None
+    return model.getvalue()
+
+
+def _train_into(model: io.BytesIO, lines: Iterator[str], vocab_size: int) -> None:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences(paths),
+        sentence_iterator=lines,
         model_writer=model,
         model_type="bpe",
         vocab_size=vocab_size,
@@ -79,7 +98,6 @@ def train(paths: list[str], vocab_size: int) -> bytes:
         shuffle_input_sentence=False,
         minloglevel=2,
     )
-    return model.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,4 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.cli import run_command
+
+    sys.exit(run_command(main))

@@ -132,7 +132,8 @@ def test_skipped_rows_are_warned_once_and_counted(tmp_path):
     proc = run_train(["--job.dump_folder", str(dump), *SMALL, "--training.steps", "3",
                       "--data.path", str(data), "--data.bad_rows", "skip"])
     ok(proc)
-    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    # Three steps end inside configs/debug.toml's warmup: that warning is not the one counted here.
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:") and "warmup_steps" not in line]
     assert len(warnings) == 1 and warnings[0].startswith(
         f"warning: skipping 3 bad rows of data {data} (data.bad_rows = 'skip'; counted as data/bad_rows), "
         f"the first: {data}:3: not valid JSON ("), proc.stderr

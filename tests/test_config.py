@@ -198,3 +198,10 @@ def test_every_shipped_config_is_checked():
 def test_shipped_configs_validate(path):
     cfg = build_config(["--config", path])
     assert cfg.model.flavor == ("debug" if "debug" in path else "7B")
+
+
+def test_the_dry_run_plans_for_the_world_size_it_is_given():
+    from trainer.dry_run import _planned_world_size
+
+    assert _planned_world_size(build_config(["--job.dry_run_world_size", "8"])) == 8
+    assert _planned_world_size(build_config([])) == 1

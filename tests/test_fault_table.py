@@ -9,12 +9,16 @@ step, metrics.jsonl of whole lines only, no traceback on the console, an exit wi
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,8 @@ SMALL = [
     "--model.n_layers", "1", "--training.seq_len", "32", "--training.batch_size", "2",
     "--metrics.enable_tensorboard", "false", "--training.mixed_precision_param", "float32",
     "--metrics.log_freq", "1", "--validation.enable", "false",
+    # Runs of a few steps: the warmup of configs/debug.toml (10) would add a warning before the line checked.
+    "--lr_scheduler.warmup_steps", "0",
 ]
 # A hang is a run that does not exit: a run of a few steps here takes seconds.
 HANG_S = 120
@@ -239,6 +245,19 @@ def long_sft_prompts(tmp_path: Path) -> None:
     next(iter(loader))
 
 
+def mixture_toml(second: str) -> Callable[[Path], object]:
+    """A config of two sources, the shipped corpus' first file and `second` (a source table's body)."""
+    first = f'path = "{ROOT}/data/corpus/train-00000.jsonl"\nweight = 0.7\nname = "web"\n'
+    return lambda t: (t / "mix.toml").write_text(f"[[data.sources]]\n{first}[[data.sources]]\n{second}\n")
+
+
+def mixture_loader(tmp_path: Path, second: Path) -> None:
+    from trainer.config import SourceConfig
+
+    pretrain_loader("", sources=[SourceConfig(path=str(ROOT / "data" / "corpus"), weight=0.7),
+                                 SourceConfig(path=str(second), weight=0.3, name="code")])
+
+
 def library_warnings(tmp_path: Path) -> None:
     import logging
 
@@ -258,8 +277,252 @@ def one_line_each(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, 
     return code, stderr
 
 
+# -- round 4 (issue 35) --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deleted_dump(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A run (TensorBoard on) whose dump folder is deleted once step 2 is recorded; its checkpoints
+    (every step) live outside the dump folder, in <root>/ckpt."""
+    root = tmp_path_factory.mktemp("deleted_dump")
+    args = ["--job.dump_folder", str(root / "run"), *SMALL, "--metrics.enable_tensorboard", "true",
+            "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.folder", str(root / "ckpt"),
+            "--training.steps", "4"]
+    return root, run_train(args, timeout=HANG_S, env={"CRASH": "delete_dump:2"}, script="tests/train_crash.py")
+
+
+def dump_deleted(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, str]:
+    root, proc = request.getfixturevalue("deleted_dump")
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr[-3000:]
+    # Saved where the checkpoint folder still exists; its own lock released; no step past the deletion.
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step-1", "step-2"], proc.stdout[-2000:]
+    assert not (root / "run").exists()
+    return proc.returncode, proc.stderr
+
+
+def rollback(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, str]:
+    """checkpoint.load_step = 1 in a folder holding step-1 and step-2 and the metrics of steps 1-2, on a changed corpus."""
+    root, _ = request.getfixturevalue("deleted_dump")
+    shutil.copytree(root / "ckpt", tmp_path / "ckpt")
+    (tmp_path / "run").mkdir()
+    metrics = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2))
+    (tmp_path / "run" / "metrics.jsonl").write_text(metrics)
+    replaced = {p.name: p.read_bytes() for p in (root / "ckpt" / "step-2").iterdir() if p.is_file()}
+    proc = run_train(dump_args(tmp_path, "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "ckpt"),
+                               "--checkpoint.load_step", "1", "--checkpoint.resume_from_other_run", "true",
+                               "--training.steps", "2", "--data.path", str(ROOT / "data" / "corpus" / "train-00000.jsonl")),
+                    timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The resume is also on a corpus of one of the checkpoint's two files: said once.
+    assert proc.stderr.count("warning: the training data changed since checkpoint") == 1, proc.stderr
+    kept = tmp_path / "ckpt" / "previous-1" / "step-2"
+    assert {p.name: p.read_bytes() for p in kept.iterdir() if p.is_file()} == replaced
+    assert (tmp_path / "run" / "previous-1" / "metrics.jsonl").read_text() == metrics
+    assert whole_lines(tmp_path) == [1, 2] and (tmp_path / "ckpt" / "step-2").is_dir()
+    return proc.returncode, proc.stderr
+
+
+def debug_weights(folder: Path, edit: Callable[[dict[str, torch.Tensor]], None] = lambda sd: None) -> Path:
+    """The debug flavour's weights as one safetensors file, after `edit`."""
+    from models.llama import Transformer
+    from models.llama.weight_files import write_weights
+
+    args = tiny_args()
+    sd = {k: v.detach().clone() for k, v in Transformer(args).state_dict().items()}
+    edit(sd)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_weights("torch", sd, args, folder / "w.safetensors")
+    return folder / "w.safetensors"
+
+
+def nan_in_layer_1(sd: dict[str, torch.Tensor]) -> None:
+    sd["layers.1.attention_norm.weight"][3] = float("nan")
+
+
+def generate_model(argv: list[str]):
+    from scripts import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_model_flags(parser)
+    opts, cfg = generate.parse(parser, argv)
+    return generate.load_model(cfg, opts.weights, torch.device("cpu"), torch.float32)
+
+
+def larger_flavour_than_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from scripts import generate
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the weights were checked")
+
+    monkeypatch.setattr(generate, "Transformer", built)
+    weights = debug_weights(tmp_path)
+    # Deeper than the weights (the same check as a 7B would meet, without building 7B's shapes on meta).
+    generate.load_model(train_config("--model.n_layers", "6"), str(weights), torch.device("cpu"), torch.float32)
+
+
+def train_config(*argv: str):
+    from trainer.config import build_config
+
+    return build_config(list(argv))
+
+
+def with_monkeypatch(check: Callable[[Path, pytest.MonkeyPatch], None]) -> Callable[..., tuple[int, str]]:
+    def run(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, str]:
+        return call(lambda t: check(t, request.getfixturevalue("monkeypatch")))(tmp_path, request)
+    return run
+
+
+def command(main_of: Callable[[Path], Callable[[], int | None]]) -> Callable[..., tuple[int, str]]:
+    """A script's main as its `__main__` runs it (trainer.cli.run_command): exit code and stderr."""
+
+    def run(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, str]:
+        from trainer.cli import run_command
+
+        capsys = request.getfixturevalue("capsys")
+        code = run_command(main_of(tmp_path))
+        return code, capsys.readouterr().err
+
+    return run
+
+
+def convert_nan_weights(tmp_path: Path) -> Callable[[], int]:
+    from scripts import convert_weights
+
+    src = debug_weights(tmp_path, nan_in_layer_1)
+    return lambda: convert_weights.main(["--from", "torch", "--to", "hf", "--flavor", "debug", str(src),
+                                         str(tmp_path / "hf")])
+
+
+def out_is_a_file(tmp_path: Path) -> None:
+    """What every script that writes results into --out calls first (scripts/cells.py)."""
+    from scripts.cells import keep_earlier_results
+
+    (tmp_path / "out").write_text("not a folder")
+    keep_earlier_results(tmp_path / "out", ["loss_compare.json"])
+
+
+def failing_thread(tmp_path: Path) -> Callable[[], int]:
+    import threading
+
+    def main() -> int:
+        def write() -> None:
+            raise OSError(28, "No space left on device")
+
+        worker = threading.Thread(target=write, name="tb-writer")
+        worker.start()
+        worker.join()
+        return 0
+
+    return main
+
+
+def ctrl_c(tmp_path: Path) -> Callable[[], int]:
+    def main() -> int:
+        raise KeyboardInterrupt
+
+    return main
+
+
+def warmup_notes(tmp_path: Path) -> None:
+    from trainer.config import notes
+    from trainer.log import warn
+
+    for note in notes(train_config("--training.steps", "3")):
+        warn(note)
+
+
+def untrained_generation(tmp_path: Path) -> None:
+    from scripts import generate
+
+    generate.load_model(train_config("--model.n_layers", "1", "--checkpoint.enable", "false"), None,
+                        torch.device("cpu"), torch.float32)
+
+
+def signal_during_startup(tmp_path: Path, signum: int) -> tuple[int, str]:
+    """train.py signalled once it holds its dump folder's lock, before its loop: the lock must go with it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "train.py", *dump_args(tmp_path, "--training.steps", "1")], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = tmp_path / "run" / ".lock"
+    deadline = time.monotonic() + HANG_S
+    while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=HANG_S)
+    assert not lock.exists(), stderr
+    assert "Traceback" not in stderr, stderr
+    return proc.returncode, stderr
+
+
+def checkpoint_around(tmp_path: Path) -> Path:
+    (tmp_path / "ckpt" / "step-1").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-1" / "checksums.json").write_text("{}")
+    return tmp_path
+
+
 TABLE: dict[str, Case] = {
-    # -- this round -------------------------------------------------------------------------------
+    # -- round 4 (issue 35) -------------------------------------------------------------------------
+    "dump folder deleted mid-run": Case(
+        2, r"^error: job\.dump_folder '.*/run' was deleted or replaced during the run \(noticed after step 2\): its "
+           r"metrics\.jsonl, config\.toml and \.lock are gone; checkpoint of step 2 saved$", dump_deleted),
+    "rollback moves the later checkpoints and metrics aside": Case(
+        0, r"^warning: checkpoint\.load_step = 1: the newer checkpoints \(2\) of the run being replaced were moved "
+           r"to .*/ckpt/previous-1$", rollback),
+    "generate.py with a deeper model than its weights": Case(
+        2, r"^error: --weights: .*/w\.safetensors: missing key 'layers\.4\.[a-z_.0-9]+' \(and \d+ more\)$",
+        with_monkeypatch(larger_flavour_than_the_weights)),
+    "SIGTERM or SIGHUP during start-up": Case(
+        130, r"^error: stopped by signal SIGHUP before the run started; nothing was saved$",
+        lambda t, r: signal_during_startup(t, signal.SIGHUP)),
+    "dump folder inside a checkpoint": Case(
+        2, r"^error: job\.dump_folder '.*/ckpt/step-1/run' lies in the checkpoint .*/ckpt/step-1: files written there",
+        in_process(lambda t: [*SMALL, "--training.steps", "1", "--job.dump_folder", str(t / "ckpt/step-1/run")],
+                   setup=checkpoint_around)),
+    "dump folder inside a live run's checkpoint folder": Case(
+        2, r"^error: job\.dump_folder '.*/shared/run' lies in .*/shared, which is in use by another run",
+        in_process(lambda t: [*SMALL, "--training.steps", "1", "--job.dump_folder", str(t / "shared/run")],
+                   setup=lambda t: live_lock(t / "shared"))),
+    "NaN weights in convert_weights.py": Case(
+        2, r"^error: .*/w\.safetensors holds 1 NaN or infinite weights \(the first in 'layers\.1\.attention_norm\.weight'\)",
+        command(convert_nan_weights)),
+    "NaN weights in generate.py": Case(
+        2, r"^error: weights .*/w\.safetensors holds 1 NaN or infinite weights",
+        call(lambda t: generate_model(["--weights", str(debug_weights(t, nan_in_layer_1))]))),
+    "prompt longer than max_seq_len": Case(
+        2, r"^error: prompt 2 is 9 tokens, but the model attends to at most max_seq_len = 8, so nothing could be generated",
+        call(lambda t: __import__("scripts.generate").generate.check_prompt_lengths([[1, 2], list(range(9))], 8))),
+    "NaN temperature": Case(
+        2, r"^error: need 0 < --top_p <= 1, a finite --temperature >= 0",
+        command(lambda t: lambda: __import__("scripts.generate").generate.main(["--prompt", "x", "--temperature", "nan"]))),
+    "a script's --out is a file": Case(
+        2, r"^error: --out '.*/out' is not a writable folder \(FileExistsError", call(out_is_a_file)),
+    "loss_compare.py --precisions ''": Case(
+        2, r"^error: --precisions needs at least one of bf16",
+        call(lambda t: __import__("scripts.loss_compare").loss_compare.parse_args(
+            ["--config", "configs/debug.toml", "--out", str(t), "--precisions", ""]))),
+    "train_tokenizer.py on whitespace-only rows": Case(
+        2, r"^error: .*/ws\.txt hold no text to train a tokenizer on",
+        command(lambda t: (t / "ws.txt").write_text("  \n\t\n") and (lambda: __import__("scripts.train_tokenizer").train_tokenizer.main(
+            [str(t / "ws.txt"), "--out", str(t / "x.model")])))),
+    "an exception in a library's thread": Case(
+        1, r"^error: unexpected ThreadFailure: in thread tb-writer: OSError: \[Errno 28\] No space left on device "
+           r"\(traceback in .*f8trainer-\d+-crash\.log\)$", command(failing_thread)),
+    "Ctrl-C in a script": Case(130, r"^error: interrupted \(Ctrl-C\)$", command(ctrl_c)),
+    "compile.backend typo": Case(
+        2, r"^error: compile\.backend = 'inductr' is not a torch\.compile backend \(did you mean 'inductor'\?\)",
+        call(lambda t: train_config("--compile.backend", "inductr"))),
+    "dump folder is the current folder": Case(
+        2, r"^error: job\.dump_folder '.*' is the current folder or holds it: a fresh run moves config\.toml",
+        in_process(lambda t: [*SMALL, "--training.steps", "1", "--job.dump_folder", str(Path.cwd())])),
+    "profiling steps past the end": Case(
+        2, r"^error: profiling\.steps \[5\] lie past training\.steps = 4",
+        call(lambda t: train_config("--profiling.enable", "true", "--profiling.steps", "[5]", "--training.steps", "4"))),
+    "warmup longer than the run is a warning": Case(
+        0, r"^warning: lr_scheduler\.warmup_steps = 10 is not below training\.steps = 3: the run ends before",
+        call(warmup_notes)),
+    "generation with untrained weights warns": Case(
+        0, r"^warning: no weights .*: generating with the untrained initialisation", call(untrained_generation)),
+    # -- round 3 -------------------------------------------------------------------------------
     "crash in the loop saves the completed step": Case(
         1, r"^error: unexpected RuntimeError: forced failure while recording step 3 \(after step 3: checkpoint of "
            r"step 3 saved; traceback in .*/run/crash\.log\)$",
@@ -326,6 +589,21 @@ TABLE: dict[str, Case] = {
         2, r"^error: checkpoint\.initial_load_path .*/w\.safetensors holds 1 NaN or infinite weights \(the first in "
            r"'layers\.2\.ffn_norm\.weight'\): these weights are damaged or diverged",
         call(nan_initial_weights)),
+    "mixture source weight not positive": Case(
+        2, r"^error: data\.sources\[1\] \(code\): weight must be positive, got 0\.0$",
+        in_process(lambda t: ["--config", str(t / "mix.toml")],
+                   setup=mixture_toml(f'path = "{ROOT}/data/corpus/train-00001.jsonl"\nweight = 0\nname = "code"'))),
+    "mixture source names clash": Case(
+        2, r"^error: data\.sources\[1\] \(web\): name 'web' clashes with data\.sources\[0\]; give each source a "
+           r"distinct name$",
+        in_process(lambda t: ["--config", str(t / "mix.toml")],
+                   setup=mixture_toml(f'path = "{ROOT}/data/heldout"\nweight = 1\nname = "web"'))),
+    "mixture source missing": Case(
+        2, r"^error: data\.sources\[1\] \(code\) not found: .*/code\.jsonl$",
+        call(lambda t: mixture_loader(t, t / "code.jsonl"))),
+    "mixture source empty": Case(
+        2, r"^error: data\.sources\[1\] \(code\) .*/code\.jsonl is empty$",
+        call(lambda t: ((t / "code.jsonl").write_text(""), mixture_loader(t, t / "code.jsonl")))),
     "library log lines come as our one-line warnings": Case(
         0, r"^warning: While redistributing from S\(0\) to R, 2 all-gathers will run$", one_line_each),
     # -- earlier rounds (cheap ones) -----------------------------------------------------------------
@@ -364,3 +642,47 @@ def test_fault(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> Non
     first = stderr.splitlines()[0] if stderr.strip() else ""
     assert (code, bool(re.search(case.first_line, first))) == (case.exit_code, True), (
         f"{name}: exit {code}, first line {first!r}\n{stderr[-3000:]}")
+
+
+def test_sighup_asks_the_loop_to_stop_like_sigterm() -> None:
+    from trainer.train_state import StopRequest
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    request = StopRequest(torch.device("cpu"), saving=True)
+    try:
+        request.install()
+        os.kill(os.getpid(), signal.SIGHUP)  # a closed terminal: by default it ends the process, unsaved
+        assert request.requested
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def test_a_crash_log_the_full_disk_refuses_leaves_no_empty_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.crash import crash_log
+
+    write_text = Path.write_text
+
+    def full_disk(path: Path, text: str, *args, **kwargs) -> int:
+        if path.parent == tmp_path:
+            write_text(path, "")  # opened, then the disk is full: an empty file is left
+            raise OSError(28, "No space left on device")
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    where = Path(crash_log(str(tmp_path), 0, RuntimeError("the failure")))
+    assert not (tmp_path / "crash.log").exists()
+    assert where.parent != tmp_path and "RuntimeError: the failure" in where.read_text()
+    where.unlink()
+
+
+@pytest.mark.timeout(60)
+def test_a_recursive_data_glob_does_not_follow_links_back_up_the_tree(tmp_path: Path) -> None:
+    from trainer.data.source import DataSource
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "rows.jsonl").write_text('{"text": "one row"}\n')
+    # Two links back up: a glob that follows them walks 2^depth paths, for ever in practice.
+    (tmp_path / "a" / "up").symlink_to(tmp_path, target_is_directory=True)
+    (tmp_path / "a" / "b" / "top").symlink_to(tmp_path, target_is_directory=True)
+    assert DataSource(f"{tmp_path}/**/*.jsonl").files == [f"{tmp_path}/a/b/rows.jsonl"]

@@ -1,11 +1,16 @@
 """make_corpus.py --from-files (scripts/file_corpus.py): shards, held-out split, refusals."""
 
 import json
+import os
 import shutil
+import types
 from pathlib import Path
 
-from scripts import make_corpus
-from scripts.file_corpus import glob_root, is_heldout
+import pytest
+
+from scripts import file_corpus, make_corpus
+from scripts.file_corpus import is_heldout
+from trainer.data.globbing import glob_root
 
 TEXTS = {
     "a.py": "import os\n\n\ndef f():\n    return 1\n",
@@ -134,3 +139,37 @@ def test_force_replaces_the_earlier_shards_of_both_splits(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "held").iterdir()) == ["valid-00000.jsonl", "valid-00001.jsonl"]
     assert "stale" not in shards(tmp_path / "train", "train")
 
+
+
+@pytest.mark.timeout(60)
+def test_link_loops_fifos_and_special_filesystems_are_not_followed(tmp_path, capsys):
+    src = plant(tmp_path / "src")
+    # Two links back up: a recursive glob that follows them walks 2^depth paths, for ever in practice.
+    (src / "pkg" / "loop").symlink_to(src, target_is_directory=True)
+    (src / "docs" / "up").symlink_to(src, target_is_directory=True)
+    os.mkfifo(src / "pipe.txt")  # reading it would block
+    assert run(src, tmp_path) == 0
+    assert sorted(shards(tmp_path / "train", "train") + shards(tmp_path / "held", "valid")) == sorted(TEXTS.values())
+    capsys.readouterr()
+    assert make_corpus.main(["--from-files", "/proc/**/*", "--out", str(tmp_path / "p"),
+                             "--heldout-out", str(tmp_path / "ph")]) == 2
+    assert capsys.readouterr().err.startswith("error: --from-files /proc/**/*: /proc is a special filesystem")
+
+
+def test_force_keeps_the_earlier_corpus_when_writing_fails(tmp_path, monkeypatch):
+    src = plant(tmp_path / "src")
+    assert run(src, tmp_path) == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "train").iterdir()}
+    written = 0
+
+    def full_disk(obj):
+        nonlocal written
+        written += 1
+        if written == 3:
+            raise OSError(28, "No space left on device")
+        return json.dumps(obj)
+
+    monkeypatch.setattr(file_corpus, "json", types.SimpleNamespace(dumps=full_disk))
+    with pytest.raises(OSError):
+        run(src, tmp_path, "--force")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "train").iterdir()} == before

@@ -11,8 +11,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from float8 import Float8Config, convert_to_float8_training
-from float8.health import UNDERFLOW_WARN, Float8HealthMonitor
+from float8 import Float8Config, convert_to_float8_training, health
+from float8.health import Float8HealthMonitor
 from tests.helpers import read_metrics, run_train
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -68,6 +68,18 @@ def test_stats_of_a_tiny_linear_are_the_hand_counted_ones():
     assert m["float8/0/grad_output/scale"] == E5M2_MAX / 2.0
     assert m["float8/0/grad_output/underflow"] == 2 / 64
     assert m["float8/0/grad_output/saturation"] == 1 / 64
+    # Squared norms: x holds 53 x 0.5**2 + 1000**2 + 990**2 + 950**2 + 3 x 1e-6**2; the flushed
+    # 1e-6s hold 3e-12 of it, and 990 cast to the maximum reads back as 1000 (error 10, squared 100).
+    x_norm = 53 * 0.25 + 1000.0**2 + 990.0**2 + 950.0**2 + 3e-12
+    assert m["float8/0/input/underflow_norm_share"] == pytest.approx(3e-12 / x_norm, rel=1e-5)
+    assert m["float8/0/input/saturation_norm_share"] == pytest.approx(100 / x_norm, rel=1e-5)
+    # w's -0.5 is its amax: cast to exactly -448, nothing lost; no entry flushes.
+    assert m["float8/0/weight/underflow_norm_share"] == 0.0
+    assert m["float8/0/weight/saturation_norm_share"] == 0.0
+    # g: 61 x 0.25**2 + 2**2 + 2 x 1e-10**2; the 1e-10s flush, -2 is the exact maximum.
+    g_norm = 61 * 0.0625 + 4.0 + 2e-20
+    assert m["float8/0/grad_output/underflow_norm_share"] == pytest.approx(2e-20 / g_norm, rel=1e-5)
+    assert m["float8/0/grad_output/saturation_norm_share"] == 0.0
     assert m["float8/0/input/amax_growth"] == 1.0
     assert m["float8/worst/input/underflow"] == 3 / nonzero_x
     assert m["float8/worst/input/underflow/layer"] == "0"
@@ -90,7 +102,12 @@ def test_micro_batches_merge_and_amax_growth_counts_from_the_first_health_step()
     assert monitor.collect().metrics["float8/0/input/amax_growth"] == 8.0
 
 
-def test_underflow_warns_once_per_layer_and_operand():
+def test_warnings_fire_on_the_norm_share_once_per_layer_and_operand(monkeypatch):
+    # The defaults (1e-3 of the squared norm) are far above these hand-made casts' shares
+    # (input 1.0e-18, grad_output 2.6e-21): lowered between the two, only the input warns,
+    # although grad_output's count (2 of 64 values, 3 %) is the larger.
+    assert health.UNDERFLOW_NORM_WARN == health.SATURATION_NORM_WARN == 1e-3
+    monkeypatch.setattr(health, "UNDERFLOW_NORM_WARN", 1e-19)
     model = _linear()
     monitor = Float8HealthMonitor(model, torch.device("cpu"))
     warnings = []
@@ -98,9 +115,9 @@ def test_underflow_warns_once_per_layer_and_operand():
         monitor.arm()
         _step(model, _x(), _g())
         warnings += monitor.collect().warnings
-    assert UNDERFLOW_WARN < 3 / 59
-    assert len(warnings) == 2  # input and grad_output, once each
-    assert warnings[0].startswith("float8 health: 0 input: 5.08% of its non-zero values flushed to zero")
+    assert warnings == ["float8 health: 0 input: 1.04e-18 of its squared norm flushed to zero by the float8 cast "
+                        "(5.08% of its non-zero values) (warning threshold 1e-19 of the squared norm; "
+                        "docs/float8.md, 'Is float8 hurting my loss?')"]
 
 
 @pytest.mark.slow
@@ -156,14 +173,16 @@ def test_trainer_logs_health_every_n_steps_without_changing_training(tmp_path):
     health_steps = [r["step"] for r in probed if any(k.startswith("float8/") for k in r)]
     assert health_steps == [2, 4]
     row = probed[1]
-    # 4 layers x 7 linears x 3 operands x 5 quantities, plus the worst of each with its layer.
-    assert len([k for k in row if k.startswith("float8/") and "/worst/" not in k]) == 28 * 15
+    # 4 layers x 7 linears x 3 operands x 7 quantities, plus the worst of each with its layer.
+    assert len([k for k in row if k.startswith("float8/") and "/worst/" not in k]) == 28 * 21
+    assert 0 <= row["float8/worst/grad_output/underflow_norm_share"] < 1e-3
     assert row["float8/worst/weight/amax/layer"].startswith("layers.")
     assert row["float8/layers.0.attention.wq/input/amax"] > 0
     acc = EventAccumulator(str(tmp_path / "probed" / "tb" / "debug-tensorwise-none"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert "float8/worst/grad_output/underflow" in tags
+    assert "float8/worst/grad_output/underflow_norm_share" in tags
     assert "float8/layers.3.feed_forward.w2/grad_output/saturation" in tags
     assert [e.step for e in acc.Scalars("float8/worst/input/amax")] == [2, 4]
 
@@ -194,6 +213,9 @@ def test_collect_reduces_over_ranks(tmp_path):
     assert m["float8/0/input/amax"] == 2000.0
     assert m["float8/0/input/underflow"] == 6 / 118
     assert m["float8/0/input/saturation"] == 4 / 118
+    # Rank 1's x is twice rank 0's: both squared norms grow 1 + 4 times, the share stays.
+    x_norm = 53 * 0.25 + 1000.0**2 + 990.0**2 + 950.0**2 + 3e-12
+    assert m["float8/0/input/underflow_norm_share"] == pytest.approx(3e-12 / x_norm, rel=1e-5)
     assert m["float8/0/input/scale"] == pytest.approx(E4M3_MAX / 2000.0, rel=1e-7)  # the smaller one
 
 

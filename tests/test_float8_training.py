@@ -129,3 +129,14 @@ def test_the_recompile_limit_is_raised_by_the_seam_and_said(device_type, raised)
         assert torch._dynamo.config.recompile_limit == (64 if raised else 8)
     said = [line for line in seam.summary_lines() if "recompile_limit raised from 8 to 64" in line]
     assert len(said) == int(raised)
+
+
+def test_float8_eager_casts_reach_the_float8_package():
+    import typing
+
+    from float8.operands import EAGER_CASTS
+    from trainer.config import build_config
+    from trainer.config.schema import Float8EagerCasts
+
+    assert typing.get_args(Float8EagerCasts) == EAGER_CASTS
+    assert float8_training.float8_config(build_config(["--float8.eager_casts", "plain"]).float8).eager_casts == "plain"

@@ -18,7 +18,7 @@ RANKS = {
     "float8": 0,
     "models": 1,
     "trainer.launch": 2,
-    "trainer.errors": 3, "trainer.log": 3,
+    "trainer.errors": 3, "trainer.log": 3, "trainer.records": 3, "trainer.threads": 3,
     "trainer.config": 4, "trainer.precision": 4,
     "trainer.data": 5, "trainer.distributed": 5, "trainer.metrics": 5, "trainer.optim": 5,
     "trainer.model_setup": 5, "trainer.run_facts": 5, "trainer.train_state": 5,
@@ -26,7 +26,8 @@ RANKS = {
     "trainer.float8_training": 7, "trainer.validation": 7, "trainer.run_folder": 7, "trainer.step": 7,
     "trainer.trainer": 8, "trainer.dry_run": 8,
     "trainer.crash": 9,
-    "train": 10, "scripts": 10,
+    "trainer.cli": 10,
+    "train": 11, "scripts": 11,
 }
 PROJECT = ("float8", "models", "trainer", "scripts", "train")
 MAX_FILE_LINES = 350

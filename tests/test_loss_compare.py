@@ -12,6 +12,7 @@ import pytest
 from scripts import compare_run as cr
 from scripts import loss_compare as lc
 from scripts import loss_report as lr
+from scripts import loss_seeds as ls
 from tests.helpers import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -99,6 +100,10 @@ HEALTH_OLD = {"float8/worst/input/underflow": 0.9, "float8/worst/input/underflow
 HEALTH_LAST = {
     "float8/worst/input/underflow": 0.001, "float8/worst/input/underflow/layer": "layers.0.attention.wq",
     "float8/worst/input/saturation": 0, "float8/worst/input/saturation/layer": "layers.1.feed_forward.w2",
+    "float8/worst/input/saturation_norm_share": 1e-20,
+    "float8/worst/input/saturation_norm_share/layer": "layers.0.attention.wq",
+    "float8/worst/grad_output/underflow_norm_share": 1.5e-18,
+    "float8/worst/grad_output/underflow_norm_share/layer": "layers.1.feed_forward.w2",
     "float8/worst/grad_output/underflow": 0.25, "float8/worst/grad_output/underflow/layer": "layers.1.feed_forward.w2",
     "float8/worst/grad_output/amax_growth": 3.5, "float8/worst/grad_output/amax_growth/layer": "layers.0.feed_forward.w1",
     "float8/worst/weight/amax_growth": 1.2, "float8/worst/weight/amax_growth/layer": "output",
@@ -113,16 +118,20 @@ def test_health_comes_from_the_last_record_that_has_it():
     health = lr.health_of(records)
     assert health == {"step": 10, "operands": {
         "input": {"underflow": {"value": 0.001, "layer": "layers.0.attention.wq"},
-                  "saturation": {"value": 0.0, "layer": "layers.1.feed_forward.w2"}},
+                  "saturation": {"value": 0.0, "layer": "layers.1.feed_forward.w2"},
+                  "saturation_norm_share": {"value": 1e-20, "layer": "layers.0.attention.wq"}},
         "grad_output": {"underflow": {"value": 0.25, "layer": "layers.1.feed_forward.w2"},
+                        "underflow_norm_share": {"value": 1.5e-18, "layer": "layers.1.feed_forward.w2"},
                         "amax_growth": {"value": 3.5, "layer": "layers.0.feed_forward.w1"}},
         "weight": {"amax_growth": {"value": 1.2, "layer": "output"}},
     }}
     assert lr.health_of([{"step": 1, "loss": 1.0, "float8/other": 2.0}]) is None
     report = {"runs": [{**_run("tensorwise", [1.0], {}), "health": health}]}
     assert lr.render_health(report).splitlines()[-4:] == [
-        "| tensorwise | 10 | input | 0.1 % | layers.0.attention.wq | 0 % | layers.1.feed_forward.w2 |",
-        "| tensorwise | 10 | grad_output | 25 % | layers.1.feed_forward.w2 | - | - |",
+        "| tensorwise | 10 | input | 0.1 % | layers.0.attention.wq | - | - | 0 % | layers.1.feed_forward.w2 | 1e-20 "
+        "| layers.0.attention.wq |",
+        "| tensorwise | 10 | grad_output | 25 % | layers.1.feed_forward.w2 | 1.5e-18 | layers.1.feed_forward.w2 "
+        "| - | - | - | - |",
         "",
         "Largest amax growth: tensorwise: 3.50 (grad_output, layers.0.feed_forward.w1).",
     ]
@@ -142,8 +151,8 @@ def _losses(precision: str, steps: int) -> list[float]:
 VALIDATION = {"bf16": {5: 5.0, 10: 4.5}, "tensorwise": {5: 5.05, 10: 4.5}}
 
 
-def _fake_run_cell(precision, mode, cli, extras, out, train_py):
-    r = cr.CellResult(precision, mode, command=f"python train.py --{precision}", wall_s=1.0)
+def _fake_run_cell(precision, mode, cli, extras, out, train_py, seed=None):
+    r = cr.CellResult(precision, mode, seed=seed, command=f"python train.py --{precision}", wall_s=1.0)
     run_dir = out / "runs" / r.name
     run_dir.mkdir(parents=True)
     r.log = str(run_dir / "log.txt")
@@ -295,36 +304,127 @@ def test_missing_arguments(argv, message, capsys):
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
 
 
+# -- seeds: bf16's noise band and the paired gaps --------------------------------------------------
+
+
+def _seeded(precision: str, seed: int, tail: float, heldout: float) -> dict:
+    """A 10-step run whose last step (the last 10 %) has loss `tail`, evaluated once at step 10."""
+    return {**_run(precision, [5.0] * 9 + [tail], {10: heldout}), "seed": seed,
+            "name": f"{precision}-none-seed{seed}"}
+
+
+def _seed_report(tensorwise: dict[int, float], rowwise: dict[int, float]) -> dict:
+    # bf16's held-out losses 3.00, 3.02, 3.04 at seeds 1-3: spread (sample sd) 0.02 nats.
+    runs = [_seeded("bf16", s, 4.0 + s / 100, 3.0 + (s - 1) / 50) for s in (1, 2, 3)]
+    runs += [_seeded("tensorwise", s, 4.0 + s / 100, 3.0 + (s - 1) / 50 + g) for s, g in tensorwise.items()]
+    runs += [_seeded("rowwise", s, 4.0 + s / 100, 3.0 + (s - 1) / 50 + g) for s, g in rowwise.items()]
+    return lr.build_report({"steps": 10, "window": 1, "tolerance": 0.5}, runs)
+
+
+def test_seed_band_paired_gaps_and_verdict_words():
+    report = _seed_report({1: 0.01, 2: 0.03, 3: 0.02}, {1: -0.05, 2: -0.03})
+    assert report["seeds"] == [1, 2, 3] and report["noise_metric"] == "heldout"
+    assert report["bf16_seed_spread_nats"] == pytest.approx(0.02)
+    tw = report["recipes"]["tensorwise"]
+    assert tw["gap_nats"] == {"mean": pytest.approx(0.02), "spread": pytest.approx(0.01)}
+    assert tw["heldout"]["per_seed_nats"] == pytest.approx({"1": 0.01, "2": 0.03, "3": 0.02})
+    assert tw["gap_pct"]["mean"] == pytest.approx(100 * (0.01 / 3.0 + 0.03 / 3.02 + 0.02 / 3.04) / 3)
+    assert tw["train"]["mean_nats"] == pytest.approx(0.0) and report["bf16_seed_spread_by_metric_nats"]["train"] \
+        == pytest.approx(0.01)
+    assert report["verdicts"]["tensorwise"]["within"] is True
+    assert report["verdicts"]["tensorwise"]["text"].startswith(
+        "tensorwise: within bf16's seed noise: held-out loss (mean of the last 5 evaluations) gap "
+        "+0.0200 ± 0.0100 nats (+0.66 ± 0.33 %) over 3 seed(s); bf16's seed spread 0.0200 nats")
+    assert report["verdicts"]["rowwise"]["text"].startswith("rowwise: better by 0.0400 ± 0.0141 nats:")
+    worse = _seed_report({1: 0.05, 2: 0.03}, {})
+    assert worse["verdicts"]["tensorwise"]["text"].startswith("tensorwise: worse by 0.0400 ± 0.0141 nats:")
+    assert worse["verdicts"]["tensorwise"]["verdict"] == "worse"
+    md = lr.render_markdown({**worse, "environment": {"torch": "x", "python": "y"}, "command": "c", "date": "d",
+                             "nproc": 1, "config": "c.toml", "compile": "none"})
+    assert "## Against bf16's seed noise" in md
+    assert "| tensorwise | held-out loss (mean of the last 5 evaluations) | 0.0200 nats | +0.0400 ± 0.0141 |" in md
+    assert "| tensorwise seed 2 | 4.0200 | +0.00 % |" in md  # each run against bf16 of its own seed
+    one = lr.build_report({"steps": 10, "window": 1, "tolerance": 0.5},
+                          [_seeded("bf16", 1, 4.0, 3.0), _seeded("tensorwise", 1, 4.0, 3.1)])
+    assert one["verdicts"]["tensorwise"]["text"].startswith("tensorwise: no noise band (bf16 ran at fewer than 2")
+
+
+def test_merge_of_per_seed_parts_and_its_refusals(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lc, "run_cell", _fake_run_cell)
+    made = {}
+    for precision, seeds, steps in (("bf16", "1,2", 10), ("tensorwise", "1", 10), ("tensorwise", "2", 10),
+                                    ("bf16", "2", 12)):
+        out = tmp_path / f"{precision}-{seeds}-{steps}"
+        assert lc.main(["--config", "configs/debug.toml", "--steps", str(steps), "--precisions", precision,
+                        "--seeds", seeds, "--compile", "none", "--out", str(out)]) == 0
+        made[(precision, seeds, steps)] = str(out / "loss_compare.json")
+    capsys.readouterr()
+    out = tmp_path / "merged"
+    parts = [made[("bf16", "1,2", 10)], made[("tensorwise", "1", 10)], made[("tensorwise", "2", 10)]]
+    assert lc.main(["--merge", *parts, "--out", str(out)]) == 0
+    report = json.loads((out / "loss_compare.json").read_text())
+    assert [r["name"] for r in report["runs"]] == ["bf16-none-seed1", "bf16-none-seed2",
+                                                   "tensorwise-none-seed1", "tensorwise-none-seed2"]
+    assert report["seeds"] == [1, 2] and report["bf16_seed_spread_nats"] == 0.0  # the fake's losses ignore seeds
+    # Held-out (5.05 + 4.5) / 2 vs (5.0 + 4.5) / 2 at both seeds.
+    assert report["recipes"]["tensorwise"]["gap_nats"] == {"mean": pytest.approx(0.025), "spread": pytest.approx(0)}
+    assert [p["precisions"] for p in report["parts"]] == [["bf16 seed 1", "bf16 seed 2"], ["tensorwise seed 1"],
+                                                          ["tensorwise seed 2"]]
+    for args, message in (
+        ([parts[0], made[("bf16", "2", 12)]], "disagree on steps (10 vs 12)"),
+        ([parts[0], parts[1], parts[1]], f"--merge: tensorwise seed 1 appears twice ({parts[1]} and {parts[1]})"),
+    ):
+        assert lc.main(["--merge", *args, "--out", str(tmp_path / "refused")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+    assert lc.main(["--config", "configs/debug.toml", "--seeds", "1,x", "--out", str(tmp_path / "o")]) == 2
+    assert "--seeds takes a comma list of integers, got '1,x'" in capsys.readouterr().err
+    assert lc.main(["--config", "configs/debug.toml", "--seeds", "1", "--out", str(tmp_path / "o"), "--",
+                    "--training.seed", "3"]) == 2
+    assert "--training.seed is set for each run by --seeds" in capsys.readouterr().err
+
+
 # -- end to end on CPU ---------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_bf16_and_tensorwise_on_the_debug_model(tmp_path, monkeypatch, capsys):
+def test_seeds_on_the_debug_model_in_two_parts_merged(tmp_path, monkeypatch, capsys):
+    """bf16 at two seeds and tensorwise at one, as two invocations merged: the fewest runs that give a band
+    and a paired gap."""
     monkeypatch.chdir(ROOT)
+    train = ["--", "--training.batch_size", "2", "--training.seq_len", "64", "--validation.enable", "true",
+             "--validation.path", "data/heldout", "--validation.freq", "3", "--validation.steps", "1"]
+    for precision, seeds in (("bf16", "42,43"), ("tensorwise", "42")):
+        rc = lc.main(["--config", "configs/debug.toml", "--steps", "6", "--precisions", precision, "--seeds", seeds,
+                      "--compile", "none", "--out", str(tmp_path / precision), *train])
+        assert rc == 0, capsys.readouterr().out
     out = tmp_path / "loss"
-    rc = lc.main(["--config", "configs/debug.toml", "--steps", "6", "--precisions", "bf16,tensorwise",
-                  "--compile", "none", "--out", str(out), "--", "--training.batch_size", "2",
-                  "--training.seq_len", "64", "--validation.enable", "true", "--validation.path", "data/heldout",
-                  "--validation.freq", "3", "--validation.steps", "1"])
+    assert lc.main(["--merge", str(tmp_path / "bf16"), str(tmp_path / "tensorwise"), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert rc == 0, printed
     report = json.loads((out / "loss_compare.json").read_text())
     assert report["failures"] == {} and report["environment"]["torch"] and report["window"] == 1
+    assert [r["name"] for r in report["runs"]] == ["bf16-none-seed42", "bf16-none-seed43", "tensorwise-none-seed42"]
     for run in report["runs"]:
         assert run["ok"] and len(run["train_loss"]) == 6 and run["train_steps"] == [1, 2, 3, 4, 5, 6]
         assert sorted(run["validation_loss"], key=int) == ["3", "6"]
-        assert "--validation.freq 3" in run["command"] and run["tps"] > 0
-        assert "step" in (out / "runs" / run["name"] / "log.txt").read_text()
-        events = list((out / "tb" / run["name"]).glob("events.out.tfevents.*"))
+        assert f"--training.seed {run['seed']}" in run["command"] and run["tps"] > 0
+        run_dir = tmp_path / run["precision"] / "runs" / run["name"]
+        assert "step" in (run_dir / "log.txt").read_text()
+        events = list((tmp_path / run["precision"] / "tb" / run["name"]).glob("events.out.tfevents.*"))
         assert events and all(f".{socket.gethostname()}." not in e.name for e in events)
-    stats = report["runs"][1]["stats"]
-    assert stats["train_gap_pct"] is not None and stats["final_validation_step"] == 6
-    assert report["verdicts"]["tensorwise"]["within"] in (True, False)
+    bf16 = report["runs"][:2]
+    assert bf16[0]["train_loss"][0] != bf16[1]["train_loss"][0]  # the seed changed the init
+    # The band is the two bf16 runs' held-out spread; the gap pairs tensorwise with bf16 seed 42.
+    held = [ls.heldout_tail(r) for r in report["runs"]]
+    assert report["seeds"] == [42, 43] and report["noise_metric"] == "heldout"
+    assert report["bf16_seed_spread_nats"] == pytest.approx(abs(held[0] - held[1]) / 2 ** 0.5)
+    assert report["recipes"]["tensorwise"]["gap_nats"] == {"mean": pytest.approx(held[2] - held[0]), "spread": None}
+    verdict = report["verdicts"]["tensorwise"]["text"]
+    assert verdict.startswith(("tensorwise: within bf16's seed noise:", "tensorwise: better by ",
+                               "tensorwise: worse by ")), verdict
     md = (out / "loss_compare.md").read_text()
-    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
-    assert "| held-out @ 3 | held-out @ 6 |" in rows["precision"]
-    assert "| baseline |" in rows["bf16"] and " % | " in rows["tensorwise"] and "% @ step " in rows["tensorwise"]
-    assert printed.rstrip().endswith(rows["tensorwise"])  # the table comes last
+    assert "## Against bf16's seed noise" in md and f"- {verdict}" in md
+    assert printed.rstrip().splitlines()[-1].startswith("| tensorwise seed 42 |")  # the table comes last
     png = out / "loss_compare.png"
     assert png.exists() == bool(importlib.util.find_spec("matplotlib"))
     if png.exists():

@@ -137,5 +137,54 @@ def test_validation_without_a_path_is_one_line(tmp_path):
     result = run_train(["--validation.enable", "true", "--validation.path", "", "--job.dump_folder", str(tmp_path)])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: validation.enable = true needs validation.path (held-out data in data.path's formats)"
+        "error: validation.enable = true needs validation.path or [[validation.sources]] "
+        "(held-out data in data.path's formats)"
     ]
+
+
+def test_every_evaluation_reads_the_same_batches_of_its_loader(one_process_group):
+    """A real held-out loader (here a mixture of two sources) restarts for every evaluation."""
+    from trainer.config import SourceConfig
+    from trainer.data.loader import build_dataloader
+    from trainer.data.tokenizer import Tokenizer
+
+    tok = Tokenizer("data/tokenizer.model")
+    loader = build_dataloader(
+        kind="pretrain", path="", tokenizer=tok, seq_len=16, batch_size=2, dp_rank=0, dp_degree=1, seed=0,
+        option="validation.path", sources=[SourceConfig(path="data/heldout", weight=1),
+                                           SourceConfig(path="data/corpus/train-00000.jsonl", weight=1)])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(tok.n_words, 8), nn.Linear(8, tok.n_words))
+    validator = Validator(
+        ValidationConfig(enable=True, freq=1, steps=3), loader, last_step=4, device=torch.device("cpu"),
+        dp_group=one_process_group, vocab_sharded_logits=False, accuracy=False,
+    )
+    first = validator.evaluate(model, 1)["validation/loss"]
+    assert validator.evaluate(model, 2)["validation/loss"] == first
+    assert loader.dataset.stats()["windows"] == 6
+
+
+def test_every_evaluation_reads_the_same_batches_and_0_steps_the_whole_set(one_process_group):
+    from trainer.data.loader import build_dataloader
+    from trainer.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer("data/tokenizer.model")
+
+    def validator(steps: int) -> Validator:
+        loader = build_dataloader(kind="pretrain", path="data/heldout", tokenizer=tokenizer, seq_len=512,
+                                  batch_size=2, dp_rank=0, dp_degree=1, seed=0)
+        return Validator(ValidationConfig(enable=True, path="data/heldout", steps=steps), loader, last_step=4,
+                         device=torch.device("cpu"), dp_group=one_process_group, vocab_sharded_logits=False,
+                         accuracy=False)
+
+    torch.manual_seed(0)
+    model = TinyLM(vocab=tokenizer.n_words)
+    some = validator(2)
+    assert some.evaluate(model, 1)["validation/loss"] == some.evaluate(model, 2)["validation/loss"]
+    whole = validator(0)
+    first = [b["input_ids"] for b in whole._batches()]
+    again = [b["input_ids"] for b in whole._batches()]
+    # The whole first pass: every full batch of 2 x 513-token windows, no wrapped-around one.
+    windows = whole._dataset.stats()["windows"] - 2  # the loader had read one batch past the pass
+    assert len(first) == windows // 2 > 2 and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert whole.evaluate(model, 1)["validation/loss"] == whole.evaluate(model, 2)["validation/loss"]

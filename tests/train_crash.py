@@ -5,6 +5,7 @@ where and when, as ``<where>:<n>``:
 
 - ``record:n`` — a RuntimeError while the loop records step n (the step has completed);
 - ``forward:n`` — a RuntimeError in the n-th forward pass (in the middle of a step);
+- ``delete_dump:n`` — the dump folder is deleted (``rm -rf``) once step n is recorded;
 - ``disk_full:n`` — the n-th line of metrics.jsonl meets a full disk half-way (OSError ENOSPC
   after a part of the line was written, as a real full disk does).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import runpy
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -40,6 +42,14 @@ def _failing_record(original):
         if outcome.step == N:
             raise RuntimeError(f"forced failure while recording step {N}")
         return original(self, outcome, run, logger)
+    return record
+
+
+def _deleting_record(original):
+    def record(self, outcome, run, logger):
+        original(self, outcome, run, logger)
+        if outcome.step == N:
+            shutil.rmtree(self.cfg.job.dump_folder)
     return record
 
 
@@ -76,6 +86,8 @@ def _recording_fd(original):
 
 if WHERE == "record":
     Trainer._record = _failing_record(Trainer._record)
+elif WHERE == "delete_dump":
+    Trainer._record = _deleting_record(Trainer._record)
 elif WHERE == "forward":
     Trainer._loss_sum = _failing_loss_sum(Trainer._loss_sum)
 elif WHERE == "disk_full":

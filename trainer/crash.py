@@ -3,6 +3,7 @@ completed step saved when it can be, and a process that ends (train.py leaves vi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -28,16 +29,23 @@ class UnexpectedError(UserError):
     exit_code = 1
 
 
-def crash_log(dump_folder: str, rank: int, error: BaseException) -> str:
-    """Write the traceback of `error` to the dump folder (or, when that fails, the temp folder); its path."""
+def crash_log(dump_folder: str | None, rank: int, error: BaseException) -> str:
+    """Write the traceback of `error` to the dump folder (or, when that fails or there is none, a file
+    of this process in the temp folder); its path."""
     name = "crash.log" if rank == 0 else f"crash-rank{rank}.log"
     text = (f"{time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()} rank {rank}: {' '.join(sys.argv)}\n"
             + "".join(traceback.format_exception(error)))
-    for path in (Path(dump_folder) / name, Path(tempfile.gettempdir()) / f"f8trainer-{os.getpid()}-{name}"):
+    places = [Path(tempfile.gettempdir()) / f"f8trainer-{os.getpid()}-{name}"]
+    if dump_folder is not None:
+        places.insert(0, Path(dump_folder) / name)
+    for path in places:
         try:
             path.write_text(text)
             return str(path)
         except OSError:
+            # A full disk leaves an empty file behind: it would hide where the real log went.
+            with contextlib.suppress(OSError):
+                path.unlink()
             continue
     return "nowhere: no folder was writable"
 
@@ -56,7 +64,7 @@ def _leave_if_stuck(limit_s: float) -> threading.Timer:
     return timer
 
 
-def unexpected(error: BaseException, dump_folder: str, trainer: Trainer | None) -> UnexpectedError:
+def unexpected(error: BaseException, dump_folder: str | None, trainer: Trainer | None) -> UnexpectedError:
     """The one line for an unexpected exception: what failed, what was saved, where the traceback is.
 
     The traceback goes to a file, not the console: there it would bury the line.

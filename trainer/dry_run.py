@@ -6,6 +6,7 @@ import torch
 
 from models.llama import num_params
 from trainer.config import Config, check_layout
+from trainer.config import notes as config_notes
 from trainer.distributed.memory_plan import check_plan
 from trainer.distributed.single_rank_fast_path import choose_fast_path
 from trainer.float8_training import Float8RunContext, Float8Training
@@ -18,7 +19,9 @@ from trainer.run_facts import RunFacts
 
 
 def _planned_world_size(cfg: Config) -> int:
-    """torchrun's world, or, planned without it, the layout the config names."""
+    """job.dry_run_world_size when given, else torchrun's world, or, planned without it, the layout the config names."""
+    if cfg.job.dry_run_world_size:
+        return cfg.job.dry_run_world_size
     if launched_by_torchrun():
         return launch_world_size()
     dp, tp = cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree
@@ -46,7 +49,7 @@ def print_plan(cfg: Config) -> None:
     impl = f" ({cfg.float8.impl})" if cfg.float8.impl != "ours" else ""
     precision = f"float8 {facts.float8_recipe}{impl}" if facts.float8_recipe else params.dtype
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
-    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun():
+    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not cfg.job.dry_run_world_size:
         layout += " (dp = -1 takes the rest of the world at launch)"
     if fast_path := choose_fast_path(cfg.parallelism.single_rank_fast_path, dp).text:
         layout += f"; {fast_path}"
@@ -71,7 +74,7 @@ def print_plan(cfg: Config) -> None:
         lines.append("  float8 linears    " + str(report).replace("\n", "\n                    "))
     if float8.filter_note:
         lines.append(f"  float8 filter     {float8.filter_note}")
-    notes = float8.advice(device, dp, tp)
+    notes = [*config_notes(cfg), *float8.advice(device, dp, tp)]
     # On a host without a GPU, a plan left on training.device = 'auto' is likely meant for a GPU
     # machine: one that cannot fit this host is a warning; a plan for this device is refused.
     planned_elsewhere = device.type == "cpu" and t.device == "auto"

@@ -78,7 +78,7 @@ def float8_config(f8: Float8TrainingConfig) -> Float8Config:
         # weights instead (the advisor says so); the package itself would refuse the pair.
         fsdp_float8_all_gather=f8.fsdp_float8_all_gather and RECIPES[f8.scaling].weight_gatherable_in_float8,
         filter_fqns=list(f8.filter_fqns),
-        min_features=f8.min_features,
+        min_features=f8.min_features, eager_casts=f8.eager_casts,
     )
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -26,11 +25,12 @@ from typing import Any
 from trainer.checkpoint.dcp_reader import describe_error
 from trainer.errors import UserError, process_start_time
 from trainer.launch import launch_rank
-from trainer.log import warn
+from trainer.log import info, warn
+from trainer.records import set_aside
 
 LOCK_NAME = ".lock"
 # What a fresh run moves into previous-N/ so that it never overwrites an earlier run's records.
-RECORDS = ("metrics.jsonl", "tb", "config.toml")
+RECORDS = ("metrics.jsonl", "tb", "config.toml", "wandb_id", "wandb")
 
 
 def check_writable(folder: Path, option: str = "job.dump_folder") -> None:
@@ -42,6 +42,29 @@ def check_writable(folder: Path, option: str = "job.dump_folder") -> None:
         probe.unlink()
     except OSError as e:
         raise UserError(f"{option} '{folder}' is not a writable folder ({describe_error(e)})") from None
+
+
+def _checkpoint_around(folder: Path) -> Path | None:
+    """The checkpoint (a DCP folder, or one with checksums.json) that `folder` is or lies in, if any."""
+    for place in [folder, *folder.parents]:
+        if (place / ".metadata").is_file() or (place / "checksums.json").is_file():
+            return place
+    return None
+
+
+def check_own_folder(folder: Path) -> None:
+    """Refuse a dump folder that is not a folder of its own: the current folder or one above it (a fresh
+    run would move the user's config.toml into previous-N/), a checkpoint or a folder in one (its
+    checksums would no longer match)."""
+    cwd = Path.cwd().resolve()
+    if inside(cwd, folder):
+        raise UserError(f"job.dump_folder '{folder}' is the current folder or holds it: a fresh run moves "
+                        "config.toml, metrics.jsonl and tb/ found there into previous-N/; give the run a folder "
+                        "of its own, such as outputs/<name>")
+    checkpoint = _checkpoint_around(folder.resolve())
+    if checkpoint is not None:
+        raise UserError(f"job.dump_folder '{folder}' lies in the checkpoint {checkpoint}: files written there would "
+                        "make it unloadable (they are not in its checksums.json); use a folder outside it")
 
 
 def _owner() -> dict[str, Any]:
@@ -93,7 +116,7 @@ def check_not_locked_by_another_run(folder: Path, option: str, within: Path | No
     """Refuse `folder` when it, or a folder it lies in (below `within`, when given), is locked by another live run."""
     places = [folder, *folder.parents]
     if within is not None:
-        places = [p for p in places if _inside(p, within) and p.resolve() != within.resolve()]
+        places = [p for p in places if inside(p, within) and p.resolve() != within.resolve()]
     for place in places:
         owner = _live_foreign_owner(place / LOCK_NAME)
         if owner is not None:
@@ -137,7 +160,8 @@ def release_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _inside(path: Path, folder: Path) -> bool:
+def inside(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies in it (links resolved)."""
     return path.resolve() == folder.resolve() or folder.resolve() in path.resolve().parents
 
 
@@ -151,13 +175,16 @@ def claim(folder: str, checkpoint_folder: Path | None = None) -> Iterator[None]:
     Either way it may not be, or lie in, a folder another live run holds.
     """
     path = Path(folder)
+    check_own_folder(path)
     check_writable(path)
-    outside = checkpoint_folder is not None and not _inside(checkpoint_folder, path)
+    outside = checkpoint_folder is not None and not inside(checkpoint_folder, path)
     if outside:
         check_writable(checkpoint_folder, "checkpoint.folder")
     locks: list[Path] = []
     try:
         if launch_rank() == 0:
+            # Also a folder above it: a live run's dump or checkpoint folder.
+            check_not_locked_by_another_run(path, "job.dump_folder")
             locks.append(acquire_lock(path))
             if checkpoint_folder is not None:
                 # Outside: it may lie in another live run's dump folder. Inside: another run may
@@ -176,12 +203,45 @@ def move_previous_records(folder: Path) -> Path | None:
 
     Returns the folder they went to, or None when there was nothing to keep.
     """
-    present = [folder / name for name in RECORDS if (folder / name).exists()]
-    if not present:
-        return None
-    taken = [int(p.name.split("-", 1)[1]) for p in folder.glob("previous-*") if p.name.split("-", 1)[1].isdigit()]
-    target = folder / f"previous-{max(taken, default=0) + 1}"
-    target.mkdir()
-    for path in present:
-        shutil.move(str(path), str(target / path.name))
-    return target
+    return set_aside(folder, [folder / name for name in RECORDS], copy=False)
+
+
+def keep_records(folder: Path, resumed: bool, rolled_back: bool) -> None:
+    """Before a run writes its records: a fresh run moves an earlier run's aside; a rollback
+    (checkpoint.load_step) copies the replaced run's, whose metrics past the resumed step are cut."""
+    if not resumed:
+        kept = move_previous_records(folder)
+        if kept is not None:
+            info(f"the previous run's records in {folder} were moved to {kept}")
+    elif rolled_back:
+        kept = set_aside(folder, [folder / name for name in RECORDS], copy=True)
+        if kept is not None:
+            info(f"the replaced run's records in {folder} were copied to {kept}")
+
+
+def deleted(folder: Path, step: int, saved: str) -> UserError:
+    """The line for a dump folder deleted (or replaced) during the run."""
+    return UserError(f"job.dump_folder '{folder}' was deleted or replaced during the run (noticed after step {step}): "
+                     f"its metrics.jsonl, config.toml and .lock are gone; {saved}")
+
+
+class FolderWatch:
+    """Notices that a folder a run writes into was deleted, or replaced by another of its name.
+
+    Files opened in a deleted folder still take writes, which go nowhere: without this, a run
+    whose dump folder was removed would finish with every record lost and exit 0.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._identity = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.folder)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def gone(self) -> bool:
+        return self._stat() != self._identity

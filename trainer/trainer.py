@@ -8,18 +8,22 @@ optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
 import torch
 
 from models.llama import num_params
-from trainer.checkpoint.context import CheckpointContext
+from trainer.checkpoint.context import CheckpointContext, checkpoint_folder
+from trainer.checkpoint.initial_weights import check_initial_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Config, check_layout, to_toml
+from trainer.config import Config, check_layout, notes, to_toml
 from trainer.data.exchange import world_exchange
-from trainer.data.loader import build_dataloader
-from trainer.data.sft import SFTOptions
+from trainer.data.run_loaders import data_summary, run_loader
+from trainer.data.run_loaders import (
+    sft_options as sft_options,  # scripts and tests import it from here
+)
 from trainer.data.tokenizer import Tokenizer
 from trainer.distributed import process_group
 from trainer.distributed.memory_plan import check_plan
@@ -39,18 +43,16 @@ from trainer.metrics.logger import (
     reset_peak_memory,
 )
 from trainer.metrics.profiling import StepProfiler
+from trainer.metrics.wandb_sink import check_installed
 from trainer.model_setup import build_meta_model, init_weights, model_args_for
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.precision import TORCH_DTYPES, resolve_param_precision
 from trainer.run_facts import RunFacts, startup_summary
-from trainer.run_folder import move_previous_records
+from trainer.run_folder import FolderWatch, deleted, inside, keep_records
 from trainer.step import LoopProgress, StepOutcome, StepParts, finish_step, skip_or_stop, train_step
+from trainer.threads import raise_thread_failure
 from trainer.train_state import StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
-
-
-def sft_options(cfg: Config) -> SFTOptions | None:
-    return SFTOptions.from_config(cfg.data) if cfg.data.kind == "sft" else None
 
 
 class Trainer:
@@ -72,7 +74,7 @@ class Trainer:
                             cfg.training.seq_len),
         )
         # Before any weight is allocated: the advice refuses float8 on GPUs without float8 GEMMs.
-        self.advice = self.float8.advice(self.device, self.dp, self.tp)
+        self.advice = [*notes(cfg), *self.float8.advice(self.device, self.dp, self.tp)]
         if self.param_precision.warning:
             self.advice.insert(0, self.param_precision.warning)
         self.model = parallelize_llama(
@@ -114,7 +116,9 @@ class Trainer:
             raise UserError("training.device = 'cuda' but no CUDA device is available")
         self.param_precision = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
         self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
+        check_installed(cfg.metrics)
         self.model_args = model_args_for(cfg, self.tokenizer.n_words, device_type)
+        check_initial_weights_fit(cfg.checkpoint, checkpoint_folder(cfg), self.model_args)
         self.world_size = launch_world_size()
         self.dp, self.tp = check_layout(cfg, self.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
         self.vocab_sharded_logits = self.tp > 1 and cfg.parallelism.loss_parallel
@@ -135,27 +139,17 @@ class Trainer:
         # One gloo group for the training and held-out loaders: they read in turn, on this thread,
         # in the same order on every rank.
         self.data_exchange = world_exchange()
-        self.dataloader = self._loader(cfg.data.path, cfg.data.num_workers, "data.path")
+        loader = functools.partial(run_loader, cfg, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp=self.dp,
+                                   exchange=self.data_exchange, verbose=self.is_main)
+        self.dataloader = loader("data", cfg.data.num_workers)
         self.validator = None
         if cfg.validation.enable:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
-                cfg.validation, self._loader(cfg.validation.path, 0, "validation.path"), cfg.training.steps,
-                device=self.device, dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
+                cfg.validation, loader("validation", 0), cfg.training.steps, device=self.device,
+                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
-
-    def _loader(self, path: str, num_workers: int, option: str):
-        """The data loader for `path` (training or held-out data, named by its `option` in errors)
-        with this run's data settings."""
-        cfg = self.cfg
-        return build_dataloader(
-            kind=cfg.data.kind, path=path, tokenizer=self.tokenizer, seq_len=cfg.training.seq_len,
-            batch_size=cfg.training.batch_size, dp_rank=self.dp_rank, dp_degree=self.dp, seed=cfg.training.seed,
-            text_field=cfg.data.text_field, data_format=cfg.data.format, sft_options=sft_options(cfg),
-            bad_rows=cfg.data.bad_rows, num_workers=num_workers, exchange=self.data_exchange,
-            verbose=self.is_main, option=option,
-        )
 
     def config_in_force(self) -> Config:
         """The config as the run uses it: the resolved parameter dtype, and after a resume the
@@ -172,6 +166,7 @@ class Trainer:
             self.facts, self.cfg, self.model_args.n_layers, self.model_args.attention, f"{self.device_name} ({peak})",
             self.float8.describe(params), self.memory.summary(), self.fast_path.text,
         )
+        lines += data_summary(self.cfg, self.dataloader, self.validator.loader if self.validator else None)
         for line in lines + self.float8.summary_lines():
             info(line)
 
@@ -187,29 +182,21 @@ class Trainer:
         kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         return cross_entropy_sum(self.model(batch["input_ids"], **kwargs), batch["labels"])
 
-    def _data_stats(self) -> dict[str, int]:
-        """Epoch, bad rows skipped and, for SFT, samples truncated or dropped to fit seq_len (data/* in the metrics)."""
-        stats = self.data_state["dataset_state"]
-        keys = ("epoch", "samples", "truncated", "dropped", "bad_rows")
-        return {f"data/{k}": int(stats[k]) for k in keys if k in stats}
+    def _save_last_step(self, why_not: str | None = None) -> str:
+        """Save the last completed step of a run about to stop, unless `why_not`; what its line says of it."""
+        if not self.cfg.checkpoint.enable:
+            return "no checkpoint (checkpointing disabled)"
+        if why_not:
+            return f"no checkpoint saved ({why_not})"
+        self.checkpointer.maybe_save(self.data_state, force=True)
+        return f"checkpoint of step {self.state.step} saved"
 
     def _stop_on_data_error(self, error: UserError, first_step: int) -> None:
-        """Save the last completed step, then stop naming the step whose batches hit the bad row.
-
-        Every rank learns of each row in the same exchange round (trainer/data/loader.py), so all ranks meet
-        the row together and save together.
-        """
+        """Save the last completed step, then stop naming the step whose batches hit the bad row (every rank
+        learns of each row in the same exchange round, trainer/data/loader.py, so all ranks save together)."""
         step = self.state.step
-        if not self.cfg.checkpoint.enable:
-            saved = "no checkpoint (checkpointing disabled)"
-        elif step >= first_step:
-            self.checkpointer.maybe_save(self.data_state, force=True)
-            saved = f"checkpoint of step {step} saved"
-        else:
-            saved = "no checkpoint saved (no step completed in this run)"
-        raise UserError(
-            f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)"
-        )
+        saved = self._save_last_step(None if step >= first_step else "no step completed in this run")
+        raise UserError(f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)")
 
     def _open_records(self, resumed: bool) -> MetricsLogger:
         """The run's first writes, once every input (data, tokenizer, checkpoint) has been accepted:
@@ -220,13 +207,13 @@ class Trainer:
         if self.is_main:
             if resumed:
                 info(f"resumed from checkpoint at step {self.state.step} ({self.checkpointer.last_loaded})")
-            else:
-                kept = move_previous_records(dump)
-                if kept is not None:
-                    info(f"the previous run's records in {dump} were moved to {kept}")
+            keep_records(dump, resumed, bool(self.checkpointer.rolled_back_from))
             (dump / "config.toml").write_text(config_text)
-        return MetricsLogger(str(dump), self.facts.run_name, self.cfg.metrics.enable_tensorboard, self.is_main,
-                             config_text=config_text, resume_step=self.state.step if resumed else None)
+            self.dump_watch = FolderWatch(dump)
+        metrics = self.cfg.metrics
+        return MetricsLogger(str(dump), self.facts.run_name, metrics.enable_tensorboard, self.is_main,
+                             config_text=config_text, resume_step=self.state.step if resumed else None,
+                             wandb_project=metrics.wandb_project if metrics.enable_wandb else None)
 
     def train(self) -> None:
         cfg = self.cfg
@@ -333,14 +320,21 @@ class Trainer:
             "fwd_bwd_time_s": self.timer.seconds(t_launch, t_backward),
             "optim_time_s": self.timer.seconds(t_backward, t_done),
             **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
-            "skipped_steps": run.skipped_total, **self._data_stats(), **validation, **outcome.float8_health,
+            "skipped_steps": run.skipped_total, **self.dataloader.dataset.metrics(self.data_state["dataset_state"]),
+            **validation, **outcome.float8_health,
         }
         eta = (time.perf_counter() - run.start_time) / (step - run.first_step + 1) * (steps - step)
         logger.log(record, steps, eta)
 
     def _save_or_stop(self) -> bool:
         """Save when due (or asked to stop, or at the last step); True when the run stops on request."""
-        stop = self.stop_request.agreed()
+        stop, dump_gone = self.stop_request.agreed(self.is_main and self.dump_watch.gone())
+        if dump_gone:  # saved where the checkpoint folder lay outside it (inside, the checkpoints went with it)
+            dump, folder = Path(self.cfg.job.dump_folder), self.checkpointer.folder
+            raise deleted(dump, self.state.step, self._save_last_step(
+                f"checkpoint.folder {folder} was inside it" if inside(folder, dump) else None))
+        # An exception that ended a background thread (TensorBoard's writer on a full disk) ends the run.
+        raise_thread_failure()
         step = self.state.step
         self.checkpointer.maybe_save(self.data_state, force=stop or step == self.cfg.training.steps)
         if stop and self.is_main:

@@ -27,7 +27,12 @@ from trainer.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
 
 
 class Validator:
-    """Evaluates `cfg.steps` batches of `loader` when `due(step)`."""
+    """Evaluates `cfg.steps` batches of `loader` (0: the whole held-out set) when `due(step)`.
+
+    A loader with a dataset state (the trainer's) is put back to its start before each
+    evaluation, so every evaluation reads the same batches; the whole set is every global batch
+    that ends inside the data's first pass (at least one), as the dataset's `epoch` says.
+    """
 
     def __init__(
         self, cfg: ValidationConfig, loader: Iterable[dict[str, torch.Tensor]], last_step: int, *,
@@ -40,6 +45,9 @@ class Validator:
         self.dp_group = dp_group
         self.vocab_sharded_logits = vocab_sharded_logits
         self.accuracy = accuracy
+        dataset = getattr(loader, "dataset", None)
+        self._dataset = dataset if hasattr(dataset, "load_state_dict") else None
+        self._start = self._dataset.state_dict() if self._dataset is not None else None
 
     def due(self, step: int) -> bool:
         return step % self.cfg.freq == 0 or step == self.last_step
@@ -50,10 +58,9 @@ class Validator:
         model.eval()
         # loss sum, target tokens, correct argmax predictions: float64 keeps the counts exact.
         totals = torch.zeros(3, device=self.device, dtype=torch.float64)
-        batches = iter(self.loader)
         try:
-            for _ in range(self.cfg.steps):
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in next(batches).items()}
+            for batch in self._batches():
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
                 totals += self._sums(model, batch)
         finally:
             model.train()
@@ -69,6 +76,19 @@ class Validator:
              f"{accuracy}  ({record['validation/time_s']:.1f}s)")
         return record
 
+    def _batches(self) -> Iterable[dict[str, torch.Tensor]]:
+        if self._dataset is not None:
+            self._dataset.load_state_dict(self._start)
+        batches = iter(self.loader)
+        if self.cfg.steps:
+            for _ in range(self.cfg.steps):
+                yield next(batches)
+            return
+        for i, batch in enumerate(batches):
+            if i > 0 and self._dataset is not None and _past_first_pass(self._dataset.stats()):
+                return
+            yield batch
+
     def _sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         labels = batch["labels"]
@@ -82,3 +102,8 @@ class Validator:
             whole = (logits.full_tensor() if isinstance(logits, DTensor) else logits).detach()
             correct = ((whole.argmax(-1) == labels) & targets).sum()
         return torch.stack([loss_sum.detach().double(), targets.sum().double(), correct.double()])
+
+
+def _past_first_pass(stats: dict[str, int]) -> bool:
+    """The dataset has wrapped around: its epoch, or for a mixture any source's, is past the first."""
+    return any(value > 0 for key, value in stats.items() if key == "epoch" or key.endswith("/epoch"))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .args import LlamaArgs
@@ -147,6 +147,48 @@ def read_meta(path: str | Path) -> tuple[LlamaArgs, StateDict]:
     vocab_size = None if embeddings is None else embeddings.shape[0]
     args = args_from_meta_params(params, vocab_size=vocab_size)
     return args, meta_to_llama(shards, args)
+
+
+def check_finite(state_dict: StateDict, where: str = "weights") -> None:
+    """Raise WeightsError when any weight is NaN or infinite: such weights are damaged or diverged."""
+    bad = {key: int((~torch.isfinite(t)).sum()) for key, t in state_dict.items() if t.is_floating_point()}
+    total = sum(bad.values())
+    if total:
+        first = next(key for key, n in bad.items() if n)
+        raise WeightsError(f"{where} holds {total} NaN or infinite weights (the first in {first!r}): these "
+                           "weights are damaged or diverged; use healthy weights")
+
+
+def _tensor_file_shapes(path: Path) -> dict[str, torch.Size]:
+    """Shapes of the tensors of a .safetensors (its header only) or torch.save file (memory-mapped)."""
+    if not path.is_file():
+        raise WeightsError(f"{path}: file not found")
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), "pt") as f:
+                return {key: torch.Size(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise WeightsError(f"{path}: holds Python objects besides tensors; refusing to unpickle") from None
+    except (SafetensorError, RuntimeError, OSError, EOFError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightsError(f"{path}: cannot read weights ({first_line})") from None
+    return {key: t.shape for key, t in _as_state_dict(obj, path).items()}
+
+
+def check_weights_fit(fmt: str, path: str | Path, args: LlamaArgs) -> None:
+    """Raise WeightsError unless the weights at `path` fit the model of `args`, reading only what
+    describes them (a config file, a safetensors header): no model and no weights are allocated."""
+    path = Path(path)
+    if fmt == "torch":
+        shapes = _tensor_file_shapes(path)
+        check_state_dict({key: torch.empty(shape, device="meta") for key, shape in shapes.items()}, args,
+                         str(path))
+    elif fmt == "hf":
+        check_args_match(args_from_hf_config(_read_json(_require_dir(path) / "config.json")), args, str(path))
+    elif fmt == "meta":
+        params = _read_json(_require_dir(path) / "params.json")
+        check_args_match(args_from_meta_params(params, vocab_size=args.vocab_size), args, str(path))
 
 
 def read_weights(

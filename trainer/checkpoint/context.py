@@ -13,6 +13,7 @@ from models.llama import LlamaArgs
 from trainer.checkpoint.identity import RunIdentity, new_run_id
 from trainer.checkpoint.schema import schedule_values
 from trainer.config import CheckpointConfig, Config, OptimizerConfig
+from trainer.data.source import DataSource
 from trainer.data.tokenizer import Tokenizer
 from trainer.distributed.process_group import DistInfo
 
@@ -33,7 +34,8 @@ class CheckpointContext:
 
     `optimizer` is the run's optimizer config: a resume compares the checkpoint's hyperparameters
     with it and says which are in force. `run` and `tokenizer` are what every checkpoint records
-    of the run and of its tokenizer (trainer/checkpoint/identity.py); a resume checks them.
+    of the run and of its tokenizer (trainer/checkpoint/identity.py); a resume checks them. `data` is
+    what it records of the training data (trainer/data/source.py): a resume warns when it changed.
     """
 
     config: CheckpointConfig
@@ -50,6 +52,7 @@ class CheckpointContext:
     model_args: LlamaArgs
     run: RunIdentity | None = None
     tokenizer: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -69,6 +72,7 @@ class CheckpointContext:
             schedule=schedule_values(cfg.lr_scheduler, cfg.training.steps), optimizer=cfg.optimizer, model_args=model_args,
             run=RunIdentity.of_dump_folder(Path(cfg.job.dump_folder), cfg.to_dict(), new_id[0]),
             tokenizer=Tokenizer(cfg.model.tokenizer_path).identity(),
+            data=DataSource(cfg.data.path, cfg.data.format).identity(),
         )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from trainer.log import warn
+from trainer.records import set_aside
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -42,6 +43,15 @@ def remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def set_aside_newer(folder: Path, newer: list[int], load_step: int) -> None:
+    """A rollback (checkpoint.load_step) keeps the replaced run's newer checkpoints: before anything is
+    written they move to previous-N/, where neither a resume nor the rotation finds them."""
+    if newer:
+        kept = set_aside(folder, [folder / f"step-{s}" for s in newer], copy=False)
+        warn(f"checkpoint.load_step = {load_step}: the newer checkpoints ({', '.join(map(str, newer))}) "
+             f"of the run being replaced were moved to {kept}")
 
 
 def leftovers(folder: Path) -> list[Path]:

@@ -24,12 +24,42 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from models.llama import LlamaArgs
-from models.llama.weight_conversion import WeightsError
+from models.llama.weight_conversion import WeightsError, expected_shapes
+from models.llama.weight_files import check_weights_fit as weights_fit
 from models.llama.weight_files import read_weights
-from trainer.checkpoint.dcp_reader import check_model_keys, load_dcp_model
+from trainer.checkpoint.dcp_reader import (
+    check_model_keys,
+    dcp_model_prefix,
+    dcp_model_shapes,
+    load_dcp_model,
+    read_dcp_metadata,
+)
+from trainer.checkpoint.folder import step_folders
 from trainer.checkpoint.identity import check_tokenizer
+from trainer.config import CheckpointConfig
 from trainer.errors import UserError
 from trainer.log import info
+
+
+def check_weights_fit(path: str | Path, fmt: str, args: LlamaArgs, what: str) -> None:
+    """Refuse weights that do not fit the model of `args` before any model is built: only their
+    metadata is read (DCP's .metadata, a safetensors header, config.json / params.json)."""
+    if fmt == "dcp":
+        metadata = read_dcp_metadata(path, what)
+        expected = expected_shapes(args)
+        check_model_keys(expected, dcp_model_shapes(metadata, dcp_model_prefix(metadata, expected)), f"{what} {path}")
+        return
+    try:
+        weights_fit(fmt, path, args)
+    except WeightsError as e:
+        raise UserError(f"{what}: {e}") from None
+
+
+def check_initial_weights_fit(ckpt: CheckpointConfig, folder: Path, args: LlamaArgs) -> None:
+    """The initial weights a fresh run will load (none when it resumes from `folder`) fit `args`."""
+    path = Path(ckpt.initial_load_path) if ckpt.initial_load_path else None
+    if path is not None and path.exists() and not (ckpt.enable and step_folders(folder)):
+        check_weights_fit(path, ckpt.initial_load_format, args, "checkpoint.initial_load_path")
 
 
 def load_full_state_dict(path: str, fmt: str, args: LlamaArgs) -> dict[str, torch.Tensor]:

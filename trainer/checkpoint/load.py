@@ -38,6 +38,10 @@ from trainer.errors import UserError
 from trainer.log import info, warn
 
 
+def _describe_data(identity: dict[str, Any]) -> str:
+    return f"{identity.get('path')}: {identity.get('files')} files, {identity.get('bytes')} bytes"
+
+
 def load_checkpoint(
     path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: LRScheduler,
     dataloader: Stateful, train_state: TrainProgress, context: CheckpointContext,
@@ -50,6 +54,11 @@ def load_checkpoint(
     extra = read_extra(path)
     if context.tokenizer is not None:
         check_same_tokenizer(extra.get("tokenizer"), context.tokenizer, f"checkpoint {path}")
+    recorded_data = extra.get("data")
+    if context.is_main and context.data is not None and isinstance(recorded_data, dict) and recorded_data != context.data:
+        warn(f"the training data changed since checkpoint {path} was saved (then {_describe_data(recorded_data)}; "
+             f"now {_describe_data(context.data)}): the loader resumes its position in the new data, so documents "
+             "may be seen twice or skipped")
     metadata = read_dcp_metadata(path, "checkpoint")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_model_keys({k: v.shape for k, v in model_sd.items()}, dcp_model_shapes(metadata, MODEL_PREFIX),

@@ -49,6 +49,7 @@ from trainer.checkpoint.folder import (
     leftovers,
     remove,
     rotate,
+    set_aside_newer,
     step_folders,
     warn_if_short_of_space,
 )
@@ -59,7 +60,7 @@ from trainer.checkpoint.rng import save_rng
 from trainer.checkpoint.schema import EXTRA_FILE
 from trainer.checkpoint.state import ModelAndOptimizer, nonfinite_weights
 from trainer.errors import UserError
-from trainer.log import info, warn
+from trainer.log import info
 
 
 class CheckpointManager:
@@ -82,6 +83,8 @@ class CheckpointManager:
         self.cfg = context.config
         self.folder = context.folder
         self.last_loaded: Path | None = None
+        # After a rollback (checkpoint.load_step): the newer steps of the run it replaces.
+        self.rolled_back_from: list[int] = []
         # After a resume: the checkpoint's optimizer settings, in force whatever the config says.
         self.optimizer_in_force: dict[str, Any] = {}
         self._pending: tuple[Any, Path, Path, float, int] | None = None
@@ -174,6 +177,8 @@ class CheckpointManager:
             extra["run"] = ctx.run.record()
         if ctx.tokenizer is not None:
             extra["tokenizer"] = ctx.tokenizer
+        if ctx.data is not None:
+            extra["data"] = ctx.data
         (partial / EXTRA_FILE).write_text(json.dumps(extra))
 
     def _poll_pending(self) -> None:
@@ -293,6 +298,8 @@ class CheckpointManager:
         if path is not None and ctx.run is not None:
             # Before anything in the folder is touched: it may be another run's.
             check_owner(path, self.folder, ctx.run, self.cfg.resume_from_other_run)
+        if self.context.is_main:
+            set_aside_newer(self.folder, self.rolled_back_from, self.cfg.load_step)
         if self.cfg.enable and ctx.is_main:
             for stale in leftovers(self.folder):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -325,13 +332,7 @@ class CheckpointManager:
         if load_step not in found:
             have = ", ".join(str(s) for s in found) or "none"
             raise UserError(f"checkpoint.load_step = {load_step}: no such checkpoint in {self.folder} (found: {have})")
-        newer = [s for s in found if s > load_step]
-        if newer and self.context.is_main:
-            warn(
-                f"checkpoint.load_step = {load_step}: newer checkpoints ({', '.join(map(str, newer))}) "
-                f"in {self.folder} belong to the run being replaced; a restart without load_step would "
-                "resume from them, so delete them once this run has saved"
-            )
+        self.rolled_back_from = [s for s in found if s > load_step]
         return found[load_step]
 
     # -- export --------------------------------------------------------------

@@ -144,8 +144,8 @@ def check_extra(
         _check_like(extra["lr_scheduler"], lr_scheduler, "lr_scheduler")
         _check_param_groups(extra["optimizer_param_groups"], param_groups, "optimizer_param_groups")
         dataset_state = extra["dataloader"].get("dataset_state") if isinstance(extra["dataloader"], dict) else None
-        if isinstance(dataset_state, dict):
-            # Checkpoints from before bad-row counting (data.bad_rows) saw none.
+        if isinstance(dataset_state, dict) and dataset_state.get("kind") in ("pretrain", "sft"):
+            # Checkpoints from before bad-row counting (data.bad_rows) saw none; mixtures came later.
             dataset_state.setdefault("bad_rows", 0)
         _check_like(extra["dataloader"], dataloader, "dataloader")
         if "schedule" in extra:

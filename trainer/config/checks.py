@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from trainer.config.schema import SECTIONS, Config
+from trainer.config.schema import SECTIONS, Config, DataFormat, choices_of
+from trainer.config.sources import SourceConfig
 from trainer.errors import UserError
 
 
@@ -34,7 +35,7 @@ def validate(cfg: Config) -> None:
         ("training", "batch_size"), ("training", "seq_len"), ("training", "steps"),
         ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
         ("checkpoint", "interval"), ("parallelism", "tensor_parallel_degree"),
-        ("validation", "freq"), ("validation", "steps"),
+        ("validation", "freq"),
     ]
     for section, key in positive:
         value = getattr(getattr(cfg, section), key)
@@ -42,8 +43,9 @@ def validate(cfg: Config) -> None:
             raise UserError(f"{section}.{key} must be positive, got {value}")
     non_negative = [
         ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
-        ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
+        ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("validation", "steps"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
         ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
+        ("job", "dry_run_world_size"),
     ]
     for section, key in non_negative:
         value = getattr(getattr(cfg, section), key)
@@ -53,8 +55,11 @@ def validate(cfg: Config) -> None:
     for section, key in (("job", "dump_folder"), ("model", "tokenizer_path"), ("data", "path"), ("checkpoint", "folder")):
         if not getattr(getattr(cfg, section), key).strip():
             raise UserError(f"{section}.{key} is empty (an unset shell variable?); give it a value")
-    if cfg.validation.enable and not cfg.validation.path:
-        raise UserError("validation.enable = true needs validation.path (held-out data in data.path's formats)")
+    if cfg.validation.enable and not (cfg.validation.path or cfg.validation.sources):
+        raise UserError("validation.enable = true needs validation.path or [[validation.sources]] "
+                        "(held-out data in data.path's formats)")
+    for section in ("data", "validation"):
+        _check_sources(section, getattr(cfg, section).sources)
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
@@ -76,7 +81,59 @@ def validate(cfg: Config) -> None:
         raise UserError(f"activation_checkpoint.selective_option must be 'op' or a positive integer, got '{sel}'")
     if any(s <= 0 for s in cfg.profiling.steps):
         raise UserError(f"profiling.steps must be positive step numbers, got {cfg.profiling.steps}")
+    past = [s for s in cfg.profiling.steps if s > cfg.training.steps]
+    if cfg.profiling.enable and past:
+        raise UserError(f"profiling.steps {past} lie past training.steps = {cfg.training.steps}: they would never "
+                        "be traced; pick steps of the run")
+    _check_compile_backend(cfg.compile.backend)
     _check_float8_impl(cfg)
+
+
+def _check_compile_backend(backend: str) -> None:
+    """A torch.compile backend that exists, checked before any work (the default needs no look-up:
+    listing the backends imports torch._dynamo, seconds)."""
+    if backend == "inductor":
+        return
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if backend not in known:
+        raise UserError(f"compile.backend = '{backend}' is not a torch.compile backend{did_you_mean(backend, known)}"
+                        f" (this torch has: {', '.join(sorted(known))})")
+
+
+def notes(cfg: Config) -> list[str]:
+    """Warnings about a config that runs, but not as its author probably meant."""
+    found = []
+    if cfg.lr_scheduler.warmup_steps >= cfg.training.steps:
+        found.append(f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps} is not below training.steps = "
+                     f"{cfg.training.steps}: the run ends before the learning rate reaches optimizer.lr")
+    if cfg.compile.mode == "none" and cfg.compile.backend != "inductor":
+        found.append(f"compile.backend = '{cfg.compile.backend}' has no effect with compile.mode = 'none'")
+    if cfg.float8.enabled and cfg.metrics.float8_stats_freq and cfg.compile.mode == "block":
+        found.append(f"metrics.float8_stats_freq = {cfg.metrics.float8_stats_freq} with compile.mode = 'block': "
+                     "every block recompiles for the steps that record float8 health, which can make a short run "
+                     "several times slower; raise float8_stats_freq, or set it to 0 for speed")
+    return found
+
+
+def _check_sources(section: str, sources: list[SourceConfig]) -> None:
+    """A mixture's sources: a path each, positive weights, known formats, distinct names usable in metric keys."""
+    seen: dict[str, int] = {}
+    for i, src in enumerate(sources):
+        where, name = src.option(section, i), src.label(i)
+        if not src.path.strip():
+            raise UserError(f"{where}: path is empty; give a file, folder, glob or hub dataset")
+        if not src.weight > 0:
+            raise UserError(f"{where}: weight must be positive, got {src.weight}")
+        if src.format and src.format not in choices_of(DataFormat):
+            raise UserError(f"{where}: format '{src.format}' is not one of {', '.join(choices_of(DataFormat))}")
+        if not all(c.isalnum() or c in "_-." for c in name):
+            raise UserError(f"{where}: name '{name}' may hold only letters, digits, '_', '-' and '.' (it is a metric key)")
+        if name in seen:
+            raise UserError(f"{where}: name '{name}' clashes with {section}.sources[{seen[name]}]; "
+                            "give each source a distinct name")
+        seen[name] = i
 
 
 def _check_float8_impl(cfg: Config) -> None:

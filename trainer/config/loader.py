@@ -21,6 +21,7 @@ else:
 
 from trainer.config.checks import did_you_mean, validate
 from trainer.config.schema import SECTIONS, Config, field_types
+from trainer.config.sources import SOURCE_REQUIRED
 from trainer.config.toml_writer import toml_value
 from trainer.errors import UserError
 
@@ -28,6 +29,8 @@ DEFAULT_CONFIG = "configs/debug.toml"
 
 
 def _type_name(tp: Any) -> str:
+    if _table_type(tp) is not None:
+        return "an array of tables"
     if typing.get_origin(tp) is list:
         (inner,) = typing.get_args(tp)
         return f"a list of {_type_name(inner)}s"
@@ -41,6 +44,32 @@ def _in_range(value: int | float, where: str) -> int | float:
     if isinstance(value, int) and not -(2**63) <= value < 2**63:
         raise UserError(f"{where} = {value} does not fit in 64 bits")
     return value
+
+
+def _table_type(tp: Any) -> type | None:
+    """The dataclass of a field that is an array of tables (`list[SourceConfig]`), else None."""
+    if typing.get_origin(tp) is list:
+        (inner,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(inner):
+            return inner
+    return None
+
+
+def _coerce_tables(value: Any, cls: type, key: str, origin: str) -> list[Any]:
+    """An array of tables (`[[data.sources]]`): every table's keys known and typed, the required ones given."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise UserError(f"{key} in {origin} must be an array of tables ([[{key}]] ...), got {value!r}")
+    types_ = typing.get_type_hints(cls)
+    out = []
+    for i, table in enumerate(value):
+        for name in table:
+            if name not in types_:
+                raise UserError(f"unknown key {key}[{i}].{name}{did_you_mean(name, list(types_))} in {origin}")
+        for name in SOURCE_REQUIRED:
+            if name not in table:
+                raise UserError(f"{key}[{i}] in {origin} needs a {name}")
+        out.append(cls(**{name: _coerce(v, types_[name], f"{key}[{i}].{name} in {origin}") for name, v in table.items()}))
+    return out
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -108,6 +137,8 @@ def _lookup(section: str, key: str, where: str) -> Any:
 def load_toml(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
+        if p.exists():
+            raise UserError(f"config file {path} is not a regular file (a folder, device or pipe)")
         raise UserError(f"config file not found: {path}")
     try:
         with p.open("rb") as f:
@@ -169,9 +200,14 @@ def build_config(argv: list[str] | None = None) -> Config:
             raise UserError(f"{config_path}: '{section}' must be a [section] table{did_you_mean(section, list(SECTIONS))}")
         for key, value in table.items():
             tp = _lookup(section, key, config_path)
-            setattr(getattr(cfg, section), key, _coerce(value, tp, f"{section}.{key} in {config_path}"))
+            table = _table_type(tp)
+            coerced = (_coerce(value, tp, f"{section}.{key} in {config_path}") if table is None
+                       else _coerce_tables(value, table, f"{section}.{key}", config_path))
+            setattr(getattr(cfg, section), key, coerced)
     for section, key, text in overrides:
         tp = _lookup(section, key, "the command line")
+        if _table_type(tp) is not None:
+            raise UserError(f"--{section}.{key} is an array of tables: set it in the TOML file ([[{section}.{key}]])")
         if text is None:
             if tp is not bool:
                 raise UserError(f"--{section}.{key} needs a value")

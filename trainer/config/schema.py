@@ -13,11 +13,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainer.config.sources import SourceConfig
+
 ModelFlavor = Literal["debug", "7B", "13B", "70B"]
 AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
 Float8Filter = Literal["rules", "auto"]
 Float8Impl = Literal["ours", "torchao"]
+# float8.operands.EAGER_CASTS (tests/test_float8_training.py holds the two equal).
+Float8EagerCasts = Literal["auto", "triton", "compiled", "plain"]
 CompileMode = Literal["none", "block", "model"]
 ActivationCheckpointMode = Literal["none", "full", "selective"]
 ParamDtype = Literal["auto", "bfloat16", "float32"]
@@ -64,6 +68,10 @@ class JobConfig:
     dump_folder: str = _opt("outputs/debug", "Folder for config.toml, metrics.jsonl, tb/, checkpoints/, profiles/.")
     description: str = _opt("", "Free text describing the run; shown at startup and in TensorBoard.")
     dry_run: bool = _opt(False, "Build the model on the meta device, print the plan and exit without allocating weights.")
+    dry_run_world_size: int = _opt(
+        0, "The number of GPUs the dry run plans for (0 = torchrun's world, else the layout's degrees): plan a "
+           "multi-GPU run from one process, e.g. 8 for a 7B run sharded over 8 GPUs."
+    )
     run_name: str = _opt("", "TensorBoard run name under <dump_folder>/tb/ (default: <flavor>-<precision>-<compile mode>).")
 
 
@@ -116,6 +124,11 @@ class Float8TrainingConfig:
         "the run's tokens per micro-batch (eager or compiled as compile.mode), beats bf16 (on CPU: as rules).",
     )
     # Trainer-only: which implementation the trainer's float8 seam runs (trainer/float8_reference.py: torchao).
+    eager_casts: Float8EagerCasts = _opt(
+        "auto", "How float8 casts run outside torch.compile: triton (one kernel per cast; CUDA), compiled "
+                "(torch.compile'd casts), plain (eager ops), or auto (triton on CUDA where Triton imports, else "
+                "compiled on CUDA, plain on CPU). docs/float8.md."
+    )
     impl: Float8Impl = _opt(
         "ours",
         "Float8 implementation: ours = this repository's float8/ package; torchao = the reference library "
@@ -129,7 +142,9 @@ class CompileConfig:
     """torch.compile granularity."""
 
     mode: CompileMode = _opt("none", "none = eager; block = each TransformerBlock (fullgraph); model = the whole model.")
-    backend: str = _opt("inductor", "torch.compile backend.")
+    backend: str = _opt("inductor", "torch.compile backend. One that this torch does not have is refused before any work "
+                                    "(with the closest name); with mode = \"none\" a backend other than inductor is a "
+                                    "warning (it has no effect).")
 
 
 @_section
@@ -188,6 +203,12 @@ class DataConfig:
 
     kind: DataKind = _opt("pretrain", "pretrain = packed text; sft = instruction tuning with prompt masking.")
     path: str = _opt("data/corpus", "File, folder or glob of .txt/.jsonl/.parquet (or a hub dataset name when online).")
+    sources: list[SourceConfig] = _opt(
+        [],
+        "Weighted mixture instead of `path` ([[data.sources]] tables in TOML: path, weight, optional name, "
+        "text_field, format); each window of N sequences holds each source's share within the tolerance of "
+        "docs/data.md, 'Mixing sources'.",
+    )
     format: DataFormat = _opt("auto", "Input format (auto = by file extension).")
     text_field: str = _opt("text", "Field holding the text in JSON Lines / parquet pretraining data.")
     num_workers: int = _opt(
@@ -219,8 +240,10 @@ class ValidationConfig:
 
     enable: bool = _opt(False, "Evaluate on held-out data every `freq` steps and at the last step.")
     path: str = _opt("", "Held-out data in data.path's formats (pretraining text or SFT rows, as data.kind says).")
+    sources: list[SourceConfig] = _opt([], "Held-out mixture instead of `path` ([[validation.sources]], as [[data.sources]]).")
     freq: int = _opt(100, "Evaluate every N steps (and at the last step).")
-    steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time.")
+    steps: int = _opt(10, "Batches per evaluation, each training.batch_size per DP rank: the same batches every time; "
+                          "0 = the whole held-out set (every batch of its first pass).")
 
 
 @_section
@@ -267,13 +290,19 @@ class CheckpointConfig:
 
 @_section
 class MetricsConfig:
-    """Console, metrics.jsonl and TensorBoard."""
+    """Console, metrics.jsonl, TensorBoard and (optionally) Weights & Biases."""
 
     log_freq: int = _opt(10, "Log every N steps (and at step 1).")
     enable_tensorboard: bool = _opt(True, "Write TensorBoard events under <dump_folder>/tb/<run-name>/.")
+    enable_wandb: bool = _opt(
+        False,
+        "Also log to Weights & Biases (pip install -e '.[wandb]'): TensorBoard's keys, config.toml as the run "
+        "config, a resumed run continues the same W&B run (its id in <dump_folder>/wandb_id); WANDB_MODE=offline works without network.",
+    )
+    wandb_project: str = _opt("f8trainer", "W&B project of the run (with enable_wandb).")
     float8_stats_freq: int = _opt(
-        0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation, "
-           "amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."
+        0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation "
+           "and the shares of the squared norm they hold, amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."
     )
 
 

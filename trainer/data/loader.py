@@ -44,7 +44,9 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from trainer.config.schema import DataKind
+from trainer.config.sources import SourceConfig
 from trainer.data.exchange import Exchange, LocalExchange
+from trainer.data.mixture import MixtureDataset
 from trainer.data.sft import SFTDataset
 from trainer.data.sft_options import SFTOptions
 from trainer.data.sharding import (
@@ -58,8 +60,8 @@ from trainer.data.sharding import (
 from trainer.data.source import BadRow as BadRow  # scripts import it from here
 from trainer.data.source import DataSource, Progress, skip_warning
 from trainer.data.tokenizer import Tokenizer
+from trainer.data.windows import ESTIMATE_DOCS, WindowDataset
 from trainer.data.windows import IGNORE_INDEX as IGNORE_INDEX  # tests import it from here
-from trainer.data.windows import WindowDataset
 from trainer.errors import UserError
 from trainer.log import warn
 
@@ -115,6 +117,7 @@ class PretrainDataset(WindowDataset):
         self.num_workers = num_workers
         self.exchange = exchange if exchange is not None else LocalExchange()
         self._warned = False
+        self.rows: int | None = None  # counted by validate()
 
     def _bad_row(self, line: str) -> str:
         """The line naming a bad row; with data.bad_rows = "error" it stops the run."""
@@ -146,6 +149,7 @@ class PretrainDataset(WindowDataset):
                     found = True
             progress.tick(n)
         progress.done(n)
+        self.rows = n
         reports = exchange.all_gather((first, bad, found))
         firsts = sorted(r[0] for r in reports if r[0] is not None)
         line = self._bad_row(firsts[0][1]) if firsts else ""
@@ -211,6 +215,21 @@ class PretrainDataset(WindowDataset):
                     yield pieces, {"epoch": epoch, "doc": doc, "offset": lo, "bad_rows": bad}
                     pieces, filled = [], 0
 
+    def window_tokens(self, window: list[Piece]) -> int:
+        return self.seq_len  # every label of a window is a token
+
+    def epoch_windows(self) -> float | None:
+        """The rows validate() counted times the mean tokens of the first documents, in windows."""
+        if self.rows is None:
+            return None
+        lengths = []
+        for _, row in self.source.rows():
+            if row is not None and text_problem(row, self.text_field) is None and row[self.text_field].strip():
+                lengths.append(len(self.tokenizer.encode(row[self.text_field], bos=True, eos=True)))
+                if len(lengths) == ESTIMATE_DOCS:
+                    break
+        return self.rows * sum(lengths) / max(len(lengths), 1) / (self.seq_len + 1)
+
     def collate(self, windows: list[list[Piece]]) -> dict[str, torch.Tensor]:
         rows = []
         for pieces in windows:
@@ -241,7 +260,7 @@ def build_dataloader(
     *, kind: str, path: str, tokenizer: Tokenizer, seq_len: int, batch_size: int, dp_rank: int, dp_degree: int,
     seed: int, text_field: str = "text", data_format: str = "auto", sft_options: SFTOptions | None = None,
     bad_rows: str = "error", num_workers: int = 0, exchange: Exchange | None = None, verbose: bool = False,
-    option: str = "data.path",
+    option: str = "data.path", sources: list[SourceConfig] | None = None,
 ) -> StatefulDataLoader:
     """Endless loader of this rank's micro-batches (dicts of LongTensors).
 
@@ -265,22 +284,32 @@ def build_dataloader(
     ``verbose``: this process prints progress and warnings (one rank of a run).
     ``option``: the config key `path` came from (data.path, validation.path), named by data errors.
     A pretraining corpus shorter than one sequence is refused.
+
+    ``sources`` (non-empty): a weighted mixture instead of ``path`` (``trainer.data.mixture``), each
+    checked here like ``path``, its errors naming ``<section>.sources[i] (<name>)``.
     """
     _check_loader_args(kind, seq_len, batch_size, dp_rank, dp_degree, num_workers, bad_rows)
-    source = DataSource(path, data_format, option)
-    dataset: WindowDataset
-    if kind == "pretrain":
-        dataset = PretrainDataset(
-            source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, text_field, bad_rows, verbose,
-            num_workers, exchange,
-        )
+
+    def dataset_of(path: str, data_format: str, text_field: str, option: str) -> WindowDataset:
+        source = DataSource(path, data_format, option)
+        if kind == "sft":
+            return SFTDataset(source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, seed,
+                              sft_options or SFTOptions(), bad_rows, verbose)
+        part = PretrainDataset(source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, text_field, bad_rows,
+                               verbose, num_workers, exchange)
         if source.files and source.size <= VALIDATE_MAX_BYTES:
-            dataset.validate()
+            part.validate()
+        return part
+
+    dataset: WindowDataset
+    if sources:
+        section = option.split(".")[0]
+        parts = [dataset_of(src.path, src.format or data_format, src.text_field or text_field, src.option(section, i))
+                 for i, src in enumerate(sources)]
+        dataset = MixtureDataset(parts, [src.label(i) for i, src in enumerate(sources)],
+                                 [src.weight for src in sources], seed, batch_size, dp_rank, dp_degree)
     else:
-        dataset = SFTDataset(
-            source, tokenizer, seq_len, batch_size, dp_rank, dp_degree, seed,
-            sft_options or SFTOptions(), bad_rows, verbose,
-        )
+        dataset = dataset_of(path, data_format, text_field, option)
     # Batches are built inside the dataset (batch_size=None), in this process (workers only
     # tokenize ahead), so the saved state is the same for any number of workers and ranks.
     with warnings.catch_warnings():

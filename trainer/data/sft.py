@@ -26,7 +26,7 @@ import torch
 from trainer.data.sft_options import SFTOptions
 from trainer.data.source import BadRow, DataSource, Progress, skip_warning
 from trainer.data.tokenizer import Tokenizer
-from trainer.data.windows import IGNORE_INDEX, WindowDataset
+from trainer.data.windows import ESTIMATE_DOCS, IGNORE_INDEX, WindowDataset
 from trainer.errors import UserError
 from trainer.log import info, warn
 
@@ -221,7 +221,7 @@ class SFTDataset(WindowDataset):
         self._order: tuple[int, list[int]] = (-1, [])
         # Said once, when the first batch is read (before the first step).
         self._fit_report = verbose
-        self.what = source.what
+        self.source = source
 
     def _fit(self, turns: list[tuple[list[int], list[int]]]) -> str:
         """"fits", "truncated" (BOS + the newest seq_len tokens are kept) or "dropped", for a sample's turns."""
@@ -240,7 +240,7 @@ class SFTDataset(WindowDataset):
             fits[self._fit(turns)] += 1
             longest = max(longest, sum(len(p) + len(r) for p, r in turns))
         total, touched = sum(fits.values()), fits["truncated"] + fits["dropped"]
-        counts = (f"{fits['truncated']} of {total} SFT samples of {self.what} will be cut to their newest "
+        counts = (f"{fits['truncated']} of {total} SFT samples of {self.source.what} will be cut to their newest "
                   f"{self.seq_len} tokens and {fits['dropped']} dropped to fit training.seq_len = {self.seq_len} "
                   f"(data.truncation = '{self.options.truncation}'; the longest has {longest} tokens)")
         if 2 * touched > total:
@@ -317,6 +317,12 @@ class SFTDataset(WindowDataset):
                 row.append(sample)
                 used += len(sample[0])
             before = after
+
+    def epoch_windows(self) -> float | None:
+        """Samples per epoch; packed, their tokens (estimated from the first ones) per seq_len."""
+        dialogs = [d for d in self.dialogs if d is not None]
+        lengths = [sum(len(p) + len(r) for p, r in encode_turns(d, self.tokenizer)) for d in dialogs[:ESTIMATE_DOCS]]
+        return len(dialogs) * sum(lengths) / max(len(lengths), 1) / self.seq_len if self.options.pack else len(dialogs)
 
     def collate(self, windows: list[Any]) -> dict[str, torch.Tensor]:
         if not self.options.pack:

@@ -6,6 +6,7 @@ pretraining (``trainer.data.loader``) and SFT (``trainer.data.sft``).
 """
 
 import glob
+import hashlib
 import json
 import os
 import time
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from trainer.config.schema import DataFormat
+from trainer.data.globbing import glob_files
 from trainer.errors import UserError
 from trainer.log import info, route_library_warnings
 
@@ -97,6 +99,8 @@ class DataSource:
                 )
             self.format = _EXTENSIONS[ext] if data_format == "auto" else data_format
             self.files = [path]
+        elif os.path.exists(path):
+            raise UserError(f"{option} {path} is not a regular file or folder (a device or pipe)")
         elif _looks_local(path):
             raise UserError(f"{option} not found: {path}")
         else:
@@ -112,7 +116,7 @@ class DataSource:
         if what == "folder":
             names = [os.path.join(path, f) for f in os.listdir(path) if not f.startswith(".")]
         else:
-            names = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+            names = [f for f in glob_files(path) if os.path.isfile(f)]
         files = sorted(f for f in names if os.path.splitext(f)[1] in _EXTENSIONS)
         if data_format != "auto":
             files = [f for f in files if _EXTENSIONS[os.path.splitext(f)[1]] == data_format]
@@ -127,6 +131,13 @@ class DataSource:
                 "set data.format or narrow it to one"
             )
         return files, formats.pop()
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records of its training data, for a resume to notice a changed corpus:
+        the path, and the number, names and sizes of its files (a hub dataset: its name only)."""
+        listing = "\0".join(f"{os.path.basename(f)}:{os.path.getsize(f)}" for f in self.files)
+        return {"path": self.name, "files": len(self.files), "bytes": self.size,
+                "digest": hashlib.sha256(listing.encode()).hexdigest()[:16]}
 
     @property
     def what(self) -> str:

@@ -22,6 +22,8 @@ class Tokenizer:
 
     def __init__(self, path: str) -> None:
         if not os.path.isfile(path):
+            if os.path.exists(path):
+                raise UserError(f"tokenizer file {path} is not a regular file (a folder, device or pipe)")
             raise UserError(f"tokenizer file not found: {path}")
         self.path = path
         self.sp_model = SentencePieceProcessor()

@@ -18,6 +18,10 @@ from trainer.errors import UserError
 
 # The label of a token that carries no loss (cross_entropy's ignore_index).
 IGNORE_INDEX = -100
+# Documents tokenized to estimate the windows of an epoch (epoch_windows) for the startup summary.
+ESTIMATE_DOCS = 64
+# The counts of a state that the metrics show as data/<key>.
+METRIC_KEYS = ("epoch", "samples", "truncated", "dropped", "bad_rows")
 
 
 class WindowDataset(IterableDataset):
@@ -48,6 +52,22 @@ class WindowDataset(IterableDataset):
 
     def collate(self, windows: list[Any]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def window_tokens(self, window: Any) -> int:
+        """The tokens of a window that carry loss (a mixture's data/tokens/<source>)."""
+        return int((self.collate([window])["labels"] != IGNORE_INDEX).sum())
+
+    def epoch_windows(self) -> float | None:
+        """About how many windows one epoch makes, for the startup summary; None when unknown."""
+        return None
+
+    def metrics(self, state: dict[str, Any]) -> dict[str, int]:
+        """The data/* metrics of a state (``state_dict()``'s): epoch, bad rows skipped, SFT samples cut or dropped."""
+        return {f"data/{k}": int(state[k]) for k in METRIC_KEYS if k in state}
+
+    def describe(self, option: str, micro_batches: int, what: str) -> list[str]:
+        """Startup summary lines about the data (a mixture's sources), which gives `micro_batches` in `what`."""
+        return []
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         stream = self.windows(dict(self._state))

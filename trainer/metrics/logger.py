@@ -1,4 +1,4 @@
-"""Throughput, MFU and memory metrics: console, metrics.jsonl and TensorBoard.
+"""Throughput, MFU and memory metrics: console, metrics.jsonl, TensorBoard and optionally W&B.
 
 FLOPs per token = 6 * (non-embedding params) + 12 * n_layers * dim * seq_len; MFU is
 measured against the bf16 dense peak of the detected GPU (named in the startup log),
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from trainer import log
+from trainer.metrics.wandb_sink import WandbSink
 
 # Dense bf16 peak per GPU (no sparsity), in FLOP/s.
 _BF16_PEAK = (("H100", 989e12), ("H200", 989e12), ("H800", 989e12), ("B200", 2250e12), ("A100", 312e12))
@@ -126,10 +127,11 @@ class MetricsLogger:
     """
 
     def __init__(self, dump_folder: str, run_name: str, enable_tensorboard: bool, is_main: bool,
-                 config_text: str = "", resume_step: int | None = None) -> None:
+                 config_text: str = "", resume_step: int | None = None, wandb_project: str | None = None) -> None:
         self.is_main = is_main
         self._jsonl = None
         self._tb = None
+        self._wandb: WandbSink | None = None
         if not is_main:
             return
         folder = Path(dump_folder)
@@ -151,6 +153,8 @@ class MetricsLogger:
             if config_text:
                 self._tb.add_text("config", "```\n" + config_text + "\n```", first_step)
             self._tb.add_custom_scalars(_dashboard_layout())
+        if wandb_project is not None:
+            self._wandb = WandbSink(folder, wandb_project, run_name, config_text, resumed=resume_step is not None)
 
     def log(self, record: dict[str, Any], total_steps: int, eta_s: float | None = None) -> None:
         if not self.is_main:
@@ -158,11 +162,13 @@ class MetricsLogger:
         assert self._jsonl is not None
         self._jsonl.append(json.dumps(_strict_json(record), allow_nan=False))
         step = record["step"]
+        scalars = {_tb_tag(k): v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self._tb.add_scalar(_tb_tag(key), value, step)
+            for tag, value in scalars.items():
+                self._tb.add_scalar(tag, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step)
         mfu = record.get("mfu_pct")
         mfu_txt = f"  mfu {mfu:5.1f}%" if mfu is not None else ""
         eta_txt = f"  eta {_fmt_eta(eta_s)}" if eta_s is not None else ""
@@ -179,6 +185,9 @@ class MetricsLogger:
         if self._tb is not None:
             tb, self._tb = self._tb, None
             tb.close()
+        if self._wandb is not None:
+            sink, self._wandb = self._wandb, None
+            sink.close()
 
 
 _TB_GROUPS = {
@@ -219,9 +228,13 @@ def _dashboard_layout() -> dict[str, dict[str, list[Any]]]:
         "time": {"seconds per step": chart(r"time/.*")},
         # metrics.float8_stats_freq: the worst float8 linear per quantity (float8/<layer>/... per layer).
         "float8 health (worst layer)": {
-            "underflow (share of non-zero values cast to 0)": chart(r"float8/worst/.*/underflow"),
-            "saturation (share at the float8 maximum)": chart(r"float8/worst/.*/saturation"),
-            "amax": chart(r"float8/worst/.*/amax"),
+            # The norm shares first: they measure harm; the counts only how many values were touched.
+            "underflow (share of the squared norm cast to 0)": chart(r"float8/worst/.*/underflow_norm_share$"),
+            "saturation (share of the squared norm clipped at the float8 maximum)":
+                chart(r"float8/worst/.*/saturation_norm_share$"),
+            "underflow (share of non-zero values cast to 0)": chart(r"float8/worst/.*/underflow$"),
+            "saturation (share at the float8 maximum)": chart(r"float8/worst/.*/saturation$"),
+            "amax": chart(r"float8/worst/.*/amax$"),
             "amax growth since the first health step": chart(r"float8/worst/.*/amax_growth"),
             "smallest scale": chart(r"float8/worst/.*/scale"),
         },
