@@ -1,4 +1,4 @@
-"""The float8 advice (trainer/float8_training.py): every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
+"""The float8 advice (trainer/float8_seam/ours.py): every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, run_train
-from trainer import float8_training
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.float8_training import MIN_FLOAT8_TOKENS, Float8RunContext
+from trainer.float8_seam import ours as float8_training
+from trainer.float8_seam.ours import MIN_FLOAT8_TOKENS, Float8RunContext
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
@@ -77,7 +77,7 @@ def test_float8_without_compile():
 def test_float8_without_compile_with_the_triton_casts(monkeypatch):
     """Where the eager casts are float8/kernels (CUDA with Triton), eager float8 is no longer
     called slow: the note says it beats eager bf16 and where that was measured."""
-    import trainer.float8_training as seam
+    import trainer.float8_seam.ours as seam
 
     monkeypatch.setattr(seam, "eager_backend", lambda device_type, mode: "triton")
     cfg = _cfg()

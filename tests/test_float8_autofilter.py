@@ -30,7 +30,7 @@ from float8.autofilter import time_linear_shape
 from models.llama import LLAMA2_FLAVORS
 from tests.helpers import free_port, run_train
 from trainer.config import Config
-from trainer.float8_training import Float8RunContext, Float8Training
+from trainer.float8_seam.ours import Float8RunContext, Float8Training
 from trainer.model_setup import build_meta_model
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""`[float8] impl = "torchao"` (trainer/float8_reference.py): the trainer on the reference library.
+"""`[float8] impl = "torchao"` (trainer/float8_seam/reference.py): the trainer on the reference library.
 
 The runs use float32 parameters (the same on every CPU) and route torchao's `torch._scaled_mm`
 to ATen's CPU formula (tests/train_aten_scaled_mm.py), which our package uses on CPU anyway:
@@ -19,12 +19,12 @@ import torch
 from float8 import Float8Linear
 from models.llama import LLAMA2_FLAVORS
 from tests.helpers import ROOT, read_metrics, run_train
-from trainer import float8_reference
 from trainer.config import Config, build_config
 from trainer.distributed.parallelize import PLAIN_TP_STYLES
 from trainer.errors import UserError
-from trainer.float8_reference import ReferenceMissing, TorchaoFloat8Training, torchao_config
-from trainer.float8_training import Float8RunContext, Float8Training
+from trainer.float8_seam import reference as float8_reference
+from trainer.float8_seam.ours import Float8RunContext, Float8Training
+from trainer.float8_seam.reference import ReferenceMissing, TorchaoFloat8Training, torchao_config
 from trainer.model_setup import build_meta_model
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
@@ -166,7 +166,7 @@ def test_ours_never_imports_torchao():
         import scripts.compare_throughput, trainer.dry_run, trainer.trainer
         from models.llama import LLAMA2_FLAVORS
         from trainer.config import build_config
-        from trainer.float8_training import Float8RunContext, Float8Training
+        from trainer.float8_seam.ours import Float8RunContext, Float8Training
         from trainer.model_setup import build_meta_model
         cfg = build_config(["--float8.enabled", "true"])
         seam = Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, "cpu", "float32"))

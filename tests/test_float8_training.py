@@ -1,4 +1,4 @@
-"""trainer/float8_training.py: the trainer's one float8 seam, and one default per float8 setting."""
+"""trainer/float8_seam/ours.py: the trainer's one float8 seam, and one default per float8 setting."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from float8 import RECIPES, Float8Config, Float8Linear
 from float8.tp import Float8ColwiseParallel
 from models.llama import LLAMA2_FLAVORS
-from trainer import float8_training
 from trainer.config import Config, Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES
-from trainer.float8_training import Float8RunContext, Float8Training, NoFloat8Training
+from trainer.float8_seam import ours as float8_training
+from trainer.float8_seam.ours import Float8RunContext, Float8Training, NoFloat8Training
 from trainer.model_setup import build_meta_model
 
 CPU = torch.device("cpu")

@@ -115,7 +115,7 @@ class Float8TrainingConfig:
         "auto = of those, only the shapes whose float8 forward + backward, timed at start-up on the GPU at "
         "the run's tokens per micro-batch (eager or compiled as compile.mode), beats bf16 (on CPU: as rules).",
     )
-    # Trainer-only: which implementation the trainer's float8 seam runs (trainer/float8_reference.py: torchao).
+    # Trainer-only: which implementation the trainer's float8 seam runs (trainer/float8_seam/reference.py: torchao).
     impl: Float8Impl = _opt(
         "ours",
         "Float8 implementation: ours = this repository's float8/ package; torchao = the reference library "

@@ -1,6 +1,6 @@
 """`[float8] impl = "torchao"`: the trainer's float8 seam on the reference library, torchao.float8.
 
-`Float8Training.from_config` (trainer/float8_training.py) returns a `TorchaoFloat8Training` for
+`Float8Training.from_config` (trainer/float8_seam/ours.py) returns a `TorchaoFloat8Training` for
 impl = "torchao": the seam's methods, doing with torchao what the trainer does with ours, so
 one trainer, data, layout and compile mode run either implementation. torchao is imported
 only here, inside functions, and only for impl = "torchao" (the optional `reference` extra):

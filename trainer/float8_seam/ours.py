@@ -35,7 +35,7 @@ from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat
 from trainer.config import Config, Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES, TPStyles
 from trainer.errors import UserError
-from trainer.float8_reference import TorchaoFloat8Training
+from trainer.float8_seam.reference import TorchaoFloat8Training
 
 # The float8 gathers hand local tensors to the float8 colwise linears (float8/tp.py).
 FLOAT8_TP_STYLES = TPStyles(
