@@ -1,4 +1,4 @@
-"""The float8 advice (trainer/float8_seam/ours.py): every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
+"""The float8 advice of our implementation (trainer/float8_seam/rules.py and ours.py): every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch
 from tests.helpers import ROOT, run_train
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.float8_seam import ours as float8_training
-from trainer.float8_seam.ours import MIN_FLOAT8_TOKENS, Float8RunContext
+from trainer.float8_seam import rules
+from trainer.float8_seam.ours import MIN_FLOAT8_TOKENS
+from trainer.float8_seam.rules import Float8RunContext
+from trainer.float8_seam.seam import build_seam
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
@@ -21,8 +23,9 @@ CUDA = torch.device("cuda", 0)
 def advise(
     cfg: Config, device: torch.device, float8_report: object = None, dp_degree: int = 1, tp_degree: int = 1
 ) -> list[str]:
-    run = Float8RunContext.for_run(cfg, device.type, "bfloat16")
-    return float8_training.advise(cfg.float8, run, device, float8_report, dp_degree, tp_degree)
+    seam = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device.type, "bfloat16"))
+    seam.report = float8_report
+    return seam.advice(device, dp_degree, tp_degree)
 
 
 def _cfg(**float8: object) -> Config:
@@ -109,7 +112,6 @@ def test_float8_gpu_is_accepted(fake_gpu):
     cfg = _cfg()
     cfg.training.batch_size, cfg.training.seq_len = 2, 4096
     assert advise(cfg, CUDA) == []
-    assert float8_training.float8_gemm_supported(CUDA)
 
 
 def test_tiny_gemms_on_gpu(fake_gpu):
@@ -129,7 +131,7 @@ def test_tiny_gemms_on_gpu(fake_gpu):
 @pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
 def test_fsdp_float8_all_gather_with_rowwise(monkeypatch, scaling):
     # Whether this torch runs row-wise GEMMs on CPU (2.11 does not) is another test's concern.
-    monkeypatch.setattr(float8_training, "scaled_mm_supported", lambda rowwise, device_type: True)
+    monkeypatch.setattr(rules, "scaled_mm_supported", lambda rowwise, device_type: True)
     note = _only(advise(_cfg(scaling=scaling), CPU), "fsdp_float8_all_gather has no effect")
     assert f"float8.scaling = '{scaling}'" in note
     assert advise(_cfg(scaling=scaling, fsdp_float8_all_gather=False), CPU) == []

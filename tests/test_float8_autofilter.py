@@ -30,7 +30,9 @@ from float8.autofilter import time_linear_shape
 from models.llama import LLAMA2_FLAVORS
 from tests.helpers import free_port, run_train
 from trainer.config import Config
-from trainer.float8_seam.ours import Float8RunContext, Float8Training
+from trainer.float8_seam.ours import OursFloat8Training
+from trainer.float8_seam.rules import Float8RunContext
+from trainer.float8_seam.seam import build_seam
 from trainer.model_setup import build_meta_model
 
 CPU = torch.device("cpu")
@@ -112,10 +114,10 @@ def test_the_real_timer_needs_cuda():
 # ---------------------------------------------------------------- the trainer's seam
 
 
-def _seam(device_type: str, timer: StubTimer | None = None, filter: str = "auto") -> Float8Training:
+def _seam(device_type: str, timer: StubTimer | None = None, filter: str = "auto") -> OursFloat8Training:
     cfg = Config()
     cfg.float8.enabled, cfg.float8.filter, cfg.compile.mode = True, filter, "block"
-    return Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device_type, "bfloat16"), timer)
+    return build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, "bfloat16"), timer)
 
 
 @pytest.fixture

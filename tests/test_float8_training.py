@@ -1,4 +1,5 @@
-"""trainer/float8_seam/ours.py: the trainer's one float8 seam, and one default per float8 setting."""
+"""trainer/float8_seam/: the trainer's one float8 seam (ours and off here; torchao: test_float8_reference.py),
+and one default per float8 setting."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from models.llama import LLAMA2_FLAVORS
 from trainer.config import Config, Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES
 from trainer.float8_seam import ours as float8_training
-from trainer.float8_seam.ours import Float8RunContext, Float8Training, NoFloat8Training
+from trainer.float8_seam.off import NoFloat8Training
+from trainer.float8_seam.rules import Float8RunContext
+from trainer.float8_seam.seam import Float8Seam, build_seam
 from trainer.model_setup import build_meta_model
 
 CPU = torch.device("cpu")
@@ -28,8 +31,8 @@ def _cfg(**float8: object) -> Config:
     return cfg
 
 
-def _seam(cfg: Config, device_type: str = "cpu") -> Float8Training | NoFloat8Training:
-    return Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device_type, cfg.training.mixed_precision_param))
+def _seam(cfg: Config, device_type: str = "cpu") -> Float8Seam:
+    return build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, cfg.training.mixed_precision_param))
 
 
 # Trainer-only keys: `enabled`; `filter`, whose "auto" needs the run's device, tokens and compile mode;

@@ -19,6 +19,8 @@ RANKS = {
     "models": 1,
     "trainer.launch": 2,
     "trainer.errors": 3, "trainer.log": 3,
+    # The float8 seam's config rules: read by trainer.config's checks, importing nothing of the project.
+    "trainer.float8_seam.options": 3,
     "trainer.config": 4, "trainer.precision": 4,
     "trainer.data": 5, "trainer.distributed": 5, "trainer.metrics": 5, "trainer.optim": 5,
     "trainer.model_setup": 5, "trainer.run_facts": 5, "trainer.train_state": 5,
@@ -41,12 +43,15 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def part_of(module: str) -> str | None:
-    """The ranked part a module belongs to: float8, models, scripts, train, or trainer.<first level>."""
+    """The ranked part a module belongs to: float8, models, scripts, train, trainer.<first level>,
+    or a module deeper in trainer/ that RANKS names on its own."""
     top = module.split(".")[0]
     if top not in PROJECT or module == "trainer":  # trainer/__init__.py is empty
         return None
     if top == "trainer":
-        return ".".join(module.split(".")[:2])
+        parts = module.split(".")
+        return next((".".join(parts[:n]) for n in range(len(parts), 2, -1) if ".".join(parts[:n]) in RANKS),
+                    ".".join(parts[:2]))
     return top
 
 

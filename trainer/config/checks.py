@@ -7,6 +7,7 @@ import difflib
 
 from trainer.config.schema import SECTIONS, Config
 from trainer.errors import UserError
+from trainer.float8_seam.options import unsupported_option
 
 
 def did_you_mean(name: str, options: list[str]) -> str:
@@ -76,21 +77,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"activation_checkpoint.selective_option must be 'op' or a positive integer, got '{sel}'")
     if any(s <= 0 for s in cfg.profiling.steps):
         raise UserError(f"profiling.steps must be positive step numbers, got {cfg.profiling.steps}")
-    _check_float8_impl(cfg)
-
-
-def _check_float8_impl(cfg: Config) -> None:
-    """Options only this repository's float8 package has, refused with the reference library."""
-    f8 = cfg.float8
-    if not (f8.enabled and f8.impl == "torchao"):
-        return
-    if f8.filter == "auto":
-        raise UserError("float8.filter = 'auto' times this repository's float8 linears, not torchao's: "
-                        "with float8.impl = 'torchao' set float8.filter = 'rules'")
-    if cfg.metrics.float8_stats_freq:
-        raise UserError(f"metrics.float8_stats_freq = {cfg.metrics.float8_stats_freq}: float8 health comes from "
-                        "this repository's float8 casts, torchao's report none: with float8.impl = 'torchao' "
-                        "set metrics.float8_stats_freq = 0")
+    if problem := unsupported_option(cfg.float8, cfg.metrics.float8_stats_freq):
+        raise UserError(problem)
 
 
 def check_layout(cfg: Config, world_size: int, n_heads: int, n_kv_heads: int) -> tuple[int, int]:

@@ -1,17 +1,12 @@
-"""The trainer's one seam to float8: conversion, TP styles, the post-optimizer step and advice.
+"""`[float8] impl = "ours"`: the trainer's float8 seam on this repository's float8/ package.
 
-`Float8Training.from_config(cfg.float8, Float8RunContext.for_run(...))` gives a
-`Float8Training` when `[float8] enabled`, else a `NoFloat8Training` with the same methods
-doing nothing, so the trainer calls them unconditionally. Build order (docs/design.md):
-`convert` on the meta model, `advice` before any weight is allocated, `tp_styles` for
-`parallelize_llama`, and `post_optimizer_step` after every applied optimizer step. Every
-float8 rule of the trainer lives here: the TP style choice, `filter = "auto"` and the startup advice.
+Besides the rules base (rules.py): `filter = "auto"` (time the linears' shapes on the GPU and
+convert those float8 runs faster), the float8 TP styles, the float8 all-gather's post-step
+scales (with `cast_weights_once`, the kept float8 weight shards), float8 health, and the advice
+on GEMM sizes, the eager casts and the layers left in high precision.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -27,15 +22,18 @@ from float8 import (
     time_linear_shapes,
 )
 from float8.autofilter import AUTO_REASON_PREFIX, Timer, describe_shapes
-from float8.gemm import scaled_mm_supported
 from float8.health import Float8HealthMonitor, HealthReport
 from float8.operands import eager_backend
-from float8.recipe import RECIPES
 from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-from trainer.config import Config, Float8TrainingConfig
+from trainer.config import Float8TrainingConfig
+from trainer.distributed.memory_plan import Float8Memory
 from trainer.distributed.parallelize import PLAIN_TP_STYLES, TPStyles
-from trainer.errors import UserError
-from trainer.float8_seam.reference import TorchaoFloat8Training
+from trainer.float8_seam.rules import (
+    Float8Rules,
+    Float8RunContext,
+    first_four,
+    gathers_float8_weights,
+)
 
 # The float8 gathers hand local tensors to the float8 colwise linears (float8/tp.py).
 FLOAT8_TP_STYLES = TPStyles(
@@ -45,38 +43,13 @@ FLOAT8_TP_STYLES = TPStyles(
 MIN_FLOAT8_TOKENS = 8192
 
 
-@dataclass(frozen=True)
-class Float8RunContext:
-    """What the float8 seam needs of the run besides `[float8]`: resolved values, not the config."""
-
-    device_type: str
-    compile_mode: str
-    # training.mixed_precision_param resolved for the device ('bfloat16' or 'float32').
-    param_dtype: str
-    float8_tensor_parallel: bool
-    # batch_size x seq_len of one micro-batch of one DP rank (its TP group shares it).
-    micro_batch_tokens: int
-    # metrics.float8_stats_freq: float8 health every N steps, 0 = never.
-    health_freq: int = 0
-
-    @staticmethod
-    def for_run(cfg: Config, device_type: str, param_dtype: str) -> Float8RunContext:
-        return Float8RunContext(
-            device_type=device_type, compile_mode=cfg.compile.mode, param_dtype=param_dtype,
-            float8_tensor_parallel=cfg.parallelism.float8_tensor_parallel,
-            micro_batch_tokens=cfg.training.batch_size * cfg.training.seq_len,
-            health_freq=cfg.metrics.float8_stats_freq,
-        )
-
-
 def float8_config(f8: Float8TrainingConfig) -> Float8Config:
     """The package's config for the trainer's `[float8]` section (same names, same defaults)."""
     return Float8Config(
         scaling=f8.scaling,
         emulate=f8.emulate,
-        # Recipes whose weight casts differ from the float8 all-gather's gather high-precision
-        # weights instead (the advisor says so); the package itself would refuse the pair.
-        fsdp_float8_all_gather=f8.fsdp_float8_all_gather and RECIPES[f8.scaling].weight_gatherable_in_float8,
+        # The package itself would refuse a recipe that cannot gather float8 weights with the flag.
+        fsdp_float8_all_gather=gathers_float8_weights(f8),
         filter_fqns=list(f8.filter_fqns),
         min_features=f8.min_features,
     )
@@ -94,88 +67,6 @@ def float8_tp_styles_compile_correctly(run: Float8RunContext) -> bool:
     return tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
-def float8_gemm_supported(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu"
-
-
-def refuse_unrunnable(f8: Float8TrainingConfig, device: torch.device) -> None:
-    """UserError for float8 settings this device cannot run."""
-    if device.type == "cuda" and not f8.emulate and not float8_gemm_supported(device):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise UserError(
-            f"float8.enabled needs float8 GEMMs (compute capability >= 8.9: H100/H200/L40/RTX 4090); "
-            f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Set float8.emulate = true to test, "
-            "or float8.enabled = false"
-        )
-    rowwise = RECIPES[f8.scaling].rowwise_gemms
-    if device.type == "cpu" and not f8.emulate and not scaled_mm_supported(rowwise, "cpu"):
-        since = " (torch >= 2.13 does)" if rowwise else ""
-        raise UserError(
-            f"float8.scaling = '{f8.scaling}' needs {'row-wise' if rowwise else 'per-tensor'} scaled float8 "
-            f"GEMMs, which torch {torch.__version__} does not run on this CPU{since}; set float8.emulate = true "
-            "to test here"
-        )
-
-
-def advise(
-    f8: Float8TrainingConfig, run: Float8RunContext, device: torch.device, float8_report: Any = None,
-    dp_degree: int = 1, tp_degree: int = 1,
-) -> list[str]:
-    """Float8 settings that will be slow or pointless, each naming the setting and the fix;
-    raises UserError for settings that cannot run on this device."""
-    notes: list[str] = []
-    if not f8.enabled:
-        return notes
-    refuse_unrunnable(f8, device)
-    recipe = RECIPES[f8.scaling]
-    if f8.emulate:
-        notes.append("float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only")
-    if run.compile_mode == "none":
-        notes.append(_eager_note(eager_backend(device.type, float8_config(f8).eager_casts)))
-    tokens = run.micro_batch_tokens // max(tp_degree, 1)
-    if device.type == "cuda" and tokens < MIN_FLOAT8_TOKENS:
-        notes.append(
-            f"float8 with training.batch_size x training.seq_len = {tokens} tokens per GPU per micro-batch: "
-            f"GEMMs this small gain little from float8; use >= {MIN_FLOAT8_TOKENS} tokens or float8.enabled = false"
-        )
-    if f8.fsdp_float8_all_gather and not recipe.weight_gatherable_in_float8:
-        notes.append(
-            f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{f8.scaling}' (weights are "
-            "all-gathered in bf16); use scaling = 'tensorwise' or set it false"
-        )
-    if recipe.weight_gatherable_in_float8 and not f8.fsdp_float8_all_gather and dp_degree > 1:
-        notes.append(
-            f"float8 {f8.scaling} without float8.fsdp_float8_all_gather: FSDP all-gathers bf16 weights; set "
-            "float8.fsdp_float8_all_gather = true to halve that traffic"
-        )
-    skipped = getattr(float8_report, "skipped", None) or []
-    # What filter = "auto" keeps is no surprise: the summary lists it with its timings.
-    not_filtered = [
-        (fqn, why) for fqn, why in skipped
-        if not any(s in fqn for s in f8.filter_fqns) and not why.startswith(AUTO_REASON_PREFIX)
-    ]
-    if not_filtered:
-        notes.append(
-            f"{len(not_filtered)} linear layers stay in high precision: "
-            + _first_four([f"{fqn} ({why})" for fqn, why in not_filtered])
-        )
-    # The output layer is filtered by default (float8 logits cost accuracy, gain little);
-    # anything more the user filtered out runs at bf16 speed, which is worth a reminder.
-    default_filter = Float8TrainingConfig().filter_fqns
-    user_filtered = [
-        fqn for fqn, _ in skipped
-        if any(s in fqn for s in f8.filter_fqns) and not any(s in fqn for s in default_filter)
-    ]
-    if user_filtered:
-        notes.append(
-            f"float8.filter_fqns keeps {len(user_filtered)} more linear layers in high precision than the "
-            f"default {default_filter}: {_first_four(user_filtered)}; they get no float8 speed-up"
-        )
-    return notes
-
-
 def _eager_note(eager_casts: str) -> str:
     """What compile.mode = 'none' costs a float8 run whose casts run on the `eager_casts` backend."""
     if eager_casts == "triton":
@@ -187,38 +78,23 @@ def _eager_note(eager_casts: str) -> str:
             "FSDP2 on 2 H200s'); set compile.mode = 'block'")
 
 
-def _first_four(names: list[str]) -> str:
-    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-    return ", ".join(names[:4]) + more
+class OursFloat8Training(Float8Rules):
+    """Float8 training of a run's linears by this repository's float8/ package."""
 
+    emulate_note = "float8.emulate = true: float8 rounding with high-precision GEMMs, slower than bf16; for testing only"
 
-class Float8Training:
-    """Float8 training of a run's linears, as `[float8]` and the rest of the config ask."""
-
-    def __init__(
-        self, f8: Float8TrainingConfig, config: Float8Config, run: Float8RunContext, timer: Timer | None = None
-    ) -> None:
-        self.f8 = f8
-        self.config = config
-        self.run = run
+    def __init__(self, f8: Float8TrainingConfig, run: Float8RunContext, timer: Timer | None = None) -> None:
+        super().__init__(f8, run)
+        self.config = float8_config(f8)
         # How filter = "auto" times a linear shape: float8.autofilter.time_linear_shape unless a test stubs it.
         self.timer = timer
-        self.recipe_name: str | None = config.scaling
-        self.report: Float8ConversionReport | None = None
-        # What filter = "auto" timed and decided, or why it did not time ("auto: ..."); None with "rules".
-        self.filter_note: str | None = None
         self._notes: list[str] = []
         self._health: Float8HealthMonitor | None = None
 
-    @staticmethod
-    def from_config(
-        f8: Float8TrainingConfig, run: Float8RunContext, timer: Timer | None = None
-    ) -> Float8Training | NoFloat8Training | TorchaoFloat8Training:
-        if not f8.enabled:
-            return NoFloat8Training()
-        if f8.impl == "torchao":
-            return TorchaoFloat8Training(f8, run)
-        return Float8Training(f8, float8_config(f8), run, timer)
+    @classmethod
+    def memory(cls, f8: Float8TrainingConfig) -> Float8Memory:
+        # float8.cast_weights_once keeps each float8 weight shard from one step to the next.
+        return Float8Memory(linears=True, kept_shards=gathers_float8_weights(f8) and f8.cast_weights_once)
 
     def convert(self, model: nn.Module, time_linears: bool = True) -> Float8ConversionReport:
         """Swap eligible linears for float8 ones, on the meta model before any parallelism.
@@ -263,18 +139,13 @@ class Float8Training:
             return None
         device = torch.device("cuda")  # this rank's current device, which init_distributed set
         # A GPU without float8 GEMMs fails in the timing: refuse it first, as `advice` would.
-        refuse_unrunnable(self.f8, device)
+        self.refuse_unrunnable(device)
         timings = time_linear_shapes(shapes.values(), tokens, self.config, compiled, device, self.timer)
         self.filter_note = f"auto timed {timed}: {describe_shapes(shapes, timings)}"
         return AutoFilter(timings, tokens)
 
-    def _wants_float8_tp(self) -> bool:
-        """A recipe whose activation casts the float8 TP gathers reproduce, and
-        `parallelism.float8_tensor_parallel`."""
-        return self.config.recipe.activations_gatherable_in_float8 and self.run.float8_tensor_parallel
-
     def tp_styles(self) -> TPStyles:
-        if self._wants_float8_tp() and float8_tp_styles_compile_correctly(self.run):
+        if self.wants_float8_tp() and float8_tp_styles_compile_correctly(self.run):
             return FLOAT8_TP_STYLES
         return PLAIN_TP_STYLES
 
@@ -298,10 +169,56 @@ class Float8Training:
             return HealthReport({}, [])
         return self._health.collect()
 
-    def advice(self, device: torch.device, dp_degree: int, tp_degree: int) -> list[str]:
-        """The advisor's warnings for this run; raises UserError for settings that cannot run."""
-        notes = advise(self.f8, self.run, device, self.report, dp_degree, tp_degree)
-        if tp_degree > 1 and self._wants_float8_tp() and not float8_tp_styles_compile_correctly(self.run):
+    def eager_note(self, device: torch.device) -> str:
+        return _eager_note(eager_backend(device.type, self.config.eager_casts))
+
+    def cuda_refusal(self, device: torch.device) -> str:
+        major, minor = torch.cuda.get_device_capability(device)
+        return (
+            f"float8.enabled needs float8 GEMMs (compute capability >= 8.9: H100/H200/L40/RTX 4090); "
+            f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}. Set float8.emulate = true to test, "
+            "or float8.enabled = false"
+        )
+
+    def cpu_refusal_since(self, rowwise: bool) -> str:
+        return " (torch >= 2.13 does)" if rowwise else ""
+
+    def device_notes(self, device: torch.device, tp_degree: int) -> list[str]:
+        tokens = self.run.micro_batch_tokens // max(tp_degree, 1)
+        if device.type == "cuda" and tokens < MIN_FLOAT8_TOKENS:
+            return [
+                f"float8 with training.batch_size x training.seq_len = {tokens} tokens per GPU per micro-batch: "
+                f"GEMMs this small gain little from float8; use >= {MIN_FLOAT8_TOKENS} tokens or float8.enabled = false"
+            ]
+        return []
+
+    def layer_notes(self, tp_degree: int) -> list[str]:
+        notes = []
+        skipped = self.report.skipped if self.report is not None else []
+        filter_fqns = self.f8.filter_fqns
+        # What filter = "auto" keeps is no surprise: the summary lists it with its timings.
+        not_filtered = [
+            (fqn, why) for fqn, why in skipped
+            if not any(s in fqn for s in filter_fqns) and not why.startswith(AUTO_REASON_PREFIX)
+        ]
+        if not_filtered:
+            notes.append(
+                f"{len(not_filtered)} linear layers stay in high precision: "
+                + first_four([f"{fqn} ({why})" for fqn, why in not_filtered])
+            )
+        # The output layer is filtered by default (float8 logits cost accuracy, gain little);
+        # anything more the user filtered out runs at bf16 speed, which is worth a reminder.
+        default_filter = Float8TrainingConfig().filter_fqns
+        user_filtered = [
+            fqn for fqn, _ in skipped
+            if any(s in fqn for s in filter_fqns) and not any(s in fqn for s in default_filter)
+        ]
+        if user_filtered:
+            notes.append(
+                f"float8.filter_fqns keeps {len(user_filtered)} more linear layers in high precision than the "
+                f"default {default_filter}: {first_four(user_filtered)}; they get no float8 speed-up"
+            )
+        if tp_degree > 1 and self.wants_float8_tp() and not float8_tp_styles_compile_correctly(self.run):
             notes.append(
                 f"torch {torch.__version__} miscompiles the float8 tensor-parallel styles with float32 "
                 "parameters: activations are all-gathered in float32 instead; use "
@@ -309,42 +226,6 @@ class Float8Training:
             )
         return notes
 
-    def describe(self, params: str) -> str:
-        """The precision of the run, for the startup summary."""
-        return f"float8 {self.recipe_name}, {params}"
-
     def summary_lines(self) -> list[str]:
         notes = [f"filter {self.filter_note}", *self._notes] if self.filter_note else self._notes
         return [f"float8: {self.report}", *(f"float8: {note}" for note in notes)]
-
-
-class NoFloat8Training:
-    """Float8 off: every hook of `Float8Training`, doing nothing."""
-
-    recipe_name: str | None = None
-    report: Float8ConversionReport | None = None
-    filter_note: str | None = None
-
-    def convert(self, model: nn.Module, time_linears: bool = True) -> None:
-        return None
-
-    def tp_styles(self) -> TPStyles:
-        return PLAIN_TP_STYLES
-
-    def post_optimizer_step(self, model: nn.Module) -> None:
-        return None
-
-    def arm_health(self, model: nn.Module, step: int, device: torch.device) -> None:
-        return None
-
-    def read_health(self) -> HealthReport:
-        return HealthReport({}, [])
-
-    def advice(self, device: torch.device, dp_degree: int, tp_degree: int) -> list[str]:
-        return []
-
-    def describe(self, params: str) -> str:
-        return params
-
-    def summary_lines(self) -> list[str]:
-        return []
