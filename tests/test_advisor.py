@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from float8 import Float8ConversionReport
+from float8.autofilter import AUTO_RULE
+from float8.convert import ALIGNMENT, FILTER_FQNS
 from tests.helpers import ROOT, run_train
 from trainer.config import Config
 from trainer.errors import UserError
@@ -21,7 +23,7 @@ CUDA = torch.device("cuda", 0)
 
 
 def advise(
-    cfg: Config, device: torch.device, float8_report: object = None, dp_degree: int = 1, tp_degree: int = 1
+    cfg: Config, device: torch.device, float8_report: Float8ConversionReport | None = None, dp_degree: int = 1, tp_degree: int = 1
 ) -> list[str]:
     seam = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device.type, "bfloat16"))
     seam.report = float8_report
@@ -144,27 +146,39 @@ def test_tensorwise_without_fsdp_float8_all_gather():
     assert advise(cfg, CPU, dp_degree=1) == []  # no FSDP sharding, nothing to all-gather
 
 
+def _report(*skipped: tuple[str, str, str]) -> Float8ConversionReport:
+    """A conversion report of linears kept in high precision: (fqn, rule, why) each."""
+    report = Float8ConversionReport()
+    for fqn, rule, why in skipped:
+        report.skip(fqn, rule, why)
+    return report
+
+
+OUTPUT_FILTERED = ("output", FILTER_FQNS, "filtered by filter_fqns")
+
+
 def test_layers_skipped_by_size_but_not_by_filter():
-    skipped = [("output", "filtered by filter_fqns")] + [
-        (f"layers.{i}.attention.wk", "out_features 64 not divisible by 16") for i in range(6)
-    ]
-    note = _only(advise(_cfg(), CPU, SimpleNamespace(skipped=skipped)), "stay in high precision")
+    report = _report(OUTPUT_FILTERED, *[
+        (f"layers.{i}.attention.wk", ALIGNMENT, "out_features 64 not divisible by 16") for i in range(6)
+    ])
+    note = _only(advise(_cfg(), CPU, report), "stay in high precision")
     assert note.startswith("6 linear layers stay in high precision")
     assert "layers.0.attention.wk (out_features 64 not divisible by 16)" in note
     assert "layers.3.attention.wk" in note and "layers.4.attention.wk" not in note
     assert note.endswith("and 2 more")
     assert "output" not in note  # the user asked for that one
-    only_filtered = SimpleNamespace(skipped=[("output", "filtered by filter_fqns")])
-    assert advise(_cfg(), CPU, only_filtered) == []
+    assert advise(_cfg(), CPU, _report(OUTPUT_FILTERED)) == []
+    # What filter = "auto" keeps, the summary lists with its timings: no warning for it.
+    assert advise(_cfg(), CPU, _report(OUTPUT_FILTERED, ("layers.0.attention.wk", AUTO_RULE, "auto: 64->64 ..."))) == []
 
 
 def test_layers_filtered_beyond_the_default():
     cfg = _cfg()
     cfg.float8.filter_fqns = ["output", "wq"]
-    skipped = [("output", "filtered by filter_fqns")] + [
-        (f"layers.{i}.attention.wq", "filtered by filter_fqns") for i in range(5)
-    ]
-    note = _only(advise(cfg, CPU, SimpleNamespace(skipped=skipped)), "float8.filter_fqns keeps")
+    report = _report(OUTPUT_FILTERED, *[
+        (f"layers.{i}.attention.wq", FILTER_FQNS, "filtered by filter_fqns") for i in range(5)
+    ])
+    note = _only(advise(cfg, CPU, report), "float8.filter_fqns keeps")
     assert note.startswith("float8.filter_fqns keeps 5 more linear layers in high precision than the default ['output']")
     assert "layers.0.attention.wq, layers.1.attention.wq" in note and note.endswith("no float8 speed-up")
     assert "and 1 more" in note and "output," not in note

@@ -26,7 +26,8 @@ from float8 import (
     linear_shapes,
     time_linear_shapes,
 )
-from float8.autofilter import time_linear_shape
+from float8.autofilter import AUTO_RULE, time_linear_shape
+from float8.convert import ALIGNMENT, FILTER_FQNS, MODULE_FILTER
 from models.llama import LLAMA2_FLAVORS
 from tests.helpers import free_port, run_train
 from trainer.config import Config
@@ -83,6 +84,8 @@ def test_stub_timings_decide_which_linears_are_converted():
         ("small", reason), ("small_again", reason), ("unaligned", "out_features 40 not divisible by 16"),
         ("output", "filtered by filter_fqns"),
     ]
+    # Which rule kept each, for code that acts on it (the seam's advice), without parsing the why.
+    assert report.kept_by == {"small": AUTO_RULE, "small_again": AUTO_RULE, "unaligned": ALIGNMENT, "output": FILTER_FQNS}
     assert f"small, small_again ({reason})" in str(report)
 
 
@@ -98,7 +101,11 @@ def test_module_filter_fn_reasons():
     with torch.device("meta"):
         model = Net()
     kept = convert_to_float8_training(model, Float8Config(), lambda m, fqn: KeepHighPrecision("mine") if fqn == "big" else True)
-    assert ("big", "mine") in kept.skipped and "small" in kept.converted
+    assert ("big", "mine") in kept.skipped and "small" in kept.converted and kept.kept_by["big"] == MODULE_FILTER
+    with torch.device("meta"):
+        model = Net()
+    named = convert_to_float8_training(model, Float8Config(), lambda m, fqn: KeepHighPrecision("mine", rule="my rule"))
+    assert named.kept_by["big"] == "my rule"
     with torch.device("meta"):
         model = Net()
     rejected = convert_to_float8_training(model, Float8Config(), lambda m, fqn: fqn != "big")

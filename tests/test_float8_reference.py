@@ -168,7 +168,7 @@ def test_ours_never_imports_torchao():
         from models.llama import LLAMA2_FLAVORS
         from trainer.config import build_config
         from trainer.float8_seam.rules import Float8RunContext
-from trainer.float8_seam.seam import build_seam
+        from trainer.float8_seam.seam import build_seam
         from trainer.model_setup import build_meta_model
         cfg = build_config(["--float8.enabled", "true"])
         seam = build_seam(cfg.float8, Float8RunContext.for_run(cfg, "cpu", "float32"))

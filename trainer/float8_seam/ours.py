@@ -21,7 +21,8 @@ from float8 import (
     raise_dynamo_recompile_limit,
     time_linear_shapes,
 )
-from float8.autofilter import AUTO_REASON_PREFIX, Timer, describe_shapes
+from float8.autofilter import AUTO_RULE, Timer, describe_shapes
+from float8.convert import FILTER_FQNS
 from float8.health import Float8HealthMonitor, HealthReport
 from float8.operands import eager_backend
 from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -194,13 +195,9 @@ class OursFloat8Training(Float8Rules):
 
     def layer_notes(self, tp_degree: int) -> list[str]:
         notes = []
-        skipped = self.report.skipped if self.report is not None else []
-        filter_fqns = self.f8.filter_fqns
+        report = self.report or Float8ConversionReport()
         # What filter = "auto" keeps is no surprise: the summary lists it with its timings.
-        not_filtered = [
-            (fqn, why) for fqn, why in skipped
-            if not any(s in fqn for s in filter_fqns) and not why.startswith(AUTO_REASON_PREFIX)
-        ]
+        not_filtered = [(fqn, why) for fqn, why in report.skipped if report.kept_by[fqn] not in (FILTER_FQNS, AUTO_RULE)]
         if not_filtered:
             notes.append(
                 f"{len(not_filtered)} linear layers stay in high precision: "
@@ -210,8 +207,8 @@ class OursFloat8Training(Float8Rules):
         # anything more the user filtered out runs at bf16 speed, which is worth a reminder.
         default_filter = Float8TrainingConfig().filter_fqns
         user_filtered = [
-            fqn for fqn, _ in skipped
-            if any(s in fqn for s in filter_fqns) and not any(s in fqn for s in default_filter)
+            fqn for fqn, rule in report.kept_by.items()
+            if rule == FILTER_FQNS and not any(s in fqn for s in default_filter)
         ]
         if user_filtered:
             notes.append(

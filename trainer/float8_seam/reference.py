@@ -10,7 +10,7 @@ only here, inside functions, and only for impl = "torchao" (the optional `refere
     rowwise                                 Float8LinearConfig.from_recipe_name("rowwise")
     rowwise_gw_hp                           Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
     emulate                                 Float8LinearConfig.emulate (fp32 GEMMs of the float8 values)
-    filter_fqns, min_features, 16-aligned   module_filter_fn: float8.convert.rules_skip_reason
+    filter_fqns, min_features, 16-aligned   module_filter_fn: float8.convert.rules_skip
     precompute_float8_scales_for_fsdp       precompute_float8_dynamic_scale_for_fsdp
     float8.tp styles (tensorwise)           torchao.float8.float8_tensor_parallel styles
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from float8 import Float8Config, Float8ConversionReport
-from float8.convert import rules_skip_reason
+from float8.convert import rules_skip
 from trainer.config import Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES, TPStyles
 from trainer.errors import UserError
@@ -98,11 +98,11 @@ class TorchaoFloat8Training(Float8Rules):
             for name, child in parent.named_children():
                 if isinstance(child, nn.Linear):
                     fqn = f"{parent_fqn}.{name}" if parent_fqn else name
-                    reason = rules_skip_reason(fqn, child, self.rules)
-                    if reason is None:
+                    skip = rules_skip(fqn, child, self.rules)
+                    if skip is None:
                         report.converted.append(fqn)
                     else:
-                        report.skipped.append((fqn, reason))
+                        report.skip(fqn, *skip)
         converted = set(report.converted)
         config = torchao_config(self.f8.scaling, self.all_gather, self.f8.emulate)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn in converted)
