@@ -8,6 +8,7 @@ trainer/ must be given a rank here, so the architecture cannot change without th
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,61 @@ def test_float8_and_models_stay_self_contained():
         text = path.read_text()
         for word in ("torch.distributed", "fully_shard", "parallelize_module", "DeviceMesh"):
             assert word not in text, (path, word)
+
+
+# The float8 seam's public face: what the rest of trainer/ may import of trainer/float8_seam/.
+SEAM_ENTRIES = {"trainer.float8_seam.seam", "trainer.float8_seam.options"}
+
+
+def test_the_rest_of_the_trainer_reaches_float8_through_the_seam():
+    """Only trainer/float8_seam/ imports float8/; other trainer modules import the seam's entries only."""
+    offenders = []
+    for module, targets in import_graph(ROOT).items():
+        if not module.startswith("trainer.") or module.startswith("trainer.float8_seam"):
+            continue
+        offenders += [f"{module} imports {t}" for t in sorted(targets)
+                      if t.split(".")[0] == "float8" or (t.startswith("trainer.float8_seam") and t not in SEAM_ENTRIES)]
+    assert offenders == []
+
+
+def float8_rules_outside_the_seam(root: Path) -> list[str]:
+    """Where trainer/ or train.py, outside the seam and the config schema, names a float8 recipe or
+    implementation ('tensorwise', 'torchao') or reads a `[float8]` key (`cfg.float8.scaling`): a float8
+    rule living outside trainer/float8_seam/. Passing the section on (`build_seam(cfg.float8, ...)`) is fine."""
+    from float8.recipe import RECIPES
+    from trainer.config import Float8TrainingConfig
+
+    keys = {f.name for f in dataclasses.fields(Float8TrainingConfig)}
+    names = {*RECIPES, *dataclasses.fields(Float8TrainingConfig)[-1].metadata["choices"]}
+    files = [root / "train.py", *(root / "trainer").rglob("*.py")]
+    found = []
+    for path in sorted(p for p in files if p.exists()):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith("trainer/float8_seam/") or relative == "trainer/config/schema.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{relative}:{node.lineno} names {node.value!r}")
+            elif (isinstance(node, ast.Attribute) and node.attr in keys
+                  and isinstance(node.value, ast.Attribute) and node.value.attr == "float8"):
+                found.append(f"{relative}:{node.lineno} reads float8.{node.attr}")
+    return found
+
+
+def test_float8_rules_live_in_the_seam():
+    assert float8_rules_outside_the_seam(ROOT) == []
+
+
+def test_float8_rule_finder_finds_a_planted_rule(tmp_path):
+    _plant(tmp_path, {
+        "trainer/run_facts.py": 'def f(cfg):\n    return cfg.float8.scaling if cfg.float8.impl != "ours" else 0\n',
+        "trainer/float8_seam/ours.py": 'RECIPE = "tensorwise"\n',
+        "train.py": "",
+    })
+    assert float8_rules_outside_the_seam(tmp_path) == [
+        "trainer/run_facts.py:2 reads float8.scaling", "trainer/run_facts.py:2 reads float8.impl",
+        "trainer/run_facts.py:2 names 'ours'",
+    ]
 
 
 def test_file_and_function_sizes():

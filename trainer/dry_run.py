@@ -8,8 +8,7 @@ from models.llama import num_params
 from trainer.config import Config, check_layout
 from trainer.distributed.memory_plan import check_plan
 from trainer.distributed.single_rank_fast_path import choose_fast_path
-from trainer.float8_seam.rules import Float8RunContext
-from trainer.float8_seam.seam import build_seam, float8_memory
+from trainer.float8_seam.seam import Float8RunContext, build_seam, float8_memory
 from trainer.launch import launch_world_size, launched_by_torchrun, pick_device_type
 from trainer.log import info
 from trainer.metrics.logger import flops_per_token

@@ -26,8 +26,7 @@ from trainer.distributed.memory_plan import check_plan
 from trainer.distributed.parallelize import parallelize_llama
 from trainer.distributed.single_rank_fast_path import choose_fast_path
 from trainer.errors import UserError
-from trainer.float8_seam.rules import Float8RunContext
-from trainer.float8_seam.seam import build_seam, float8_memory
+from trainer.float8_seam.seam import Float8RunContext, build_seam, float8_memory
 from trainer.launch import launch_world_size, pick_device_type
 from trainer.log import info, warn
 from trainer.loss import cross_entropy_sum

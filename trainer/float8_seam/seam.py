@@ -4,7 +4,8 @@ Build order (docs/design.md): `convert` on the meta model, `advice` before any w
 allocated, `tp_styles` for `parallelize_llama`, `post_optimizer_step` after every applied
 optimizer step, `arm_health`/`read_health` around a step. `float8_memory` is asked before
 any of these (the memory check runs first). The trainer holds no float8 branches: float8 off
-is an implementation too (off.py).
+is an implementation too (off.py). The rest of the trainer imports this module only (and
+options.py, for the config checks); tests/test_layering.py holds it to that.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from trainer.float8_seam.off import NoFloat8Training
 from trainer.float8_seam.ours import OursFloat8Training
 from trainer.float8_seam.reference import TorchaoFloat8Training
 from trainer.float8_seam.rules import Float8Rules, Float8RunContext
+
+__all__ = ["Float8RunContext", "Float8Seam", "build_seam", "float8_memory"]
 
 # float8.impl -> its seam class (float8.impl's choices in the config schema name the same).
 IMPLEMENTATIONS: dict[str, type[Float8Rules]] = {"ours": OursFloat8Training, "torchao": TorchaoFloat8Training}
