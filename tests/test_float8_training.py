@@ -12,11 +12,12 @@ from float8 import RECIPES, Float8Config, Float8Linear
 from float8.tp import Float8ColwiseParallel
 from models.llama import LLAMA2_FLAVORS
 from trainer.config import Config, Float8TrainingConfig
+from trainer.distributed.memory_plan import Float8Memory
 from trainer.distributed.parallelize import PLAIN_TP_STYLES
 from trainer.float8_seam import ours as float8_training
 from trainer.float8_seam.off import NoFloat8Training
 from trainer.float8_seam.rules import Float8RunContext
-from trainer.float8_seam.seam import Float8Seam, build_seam
+from trainer.float8_seam.seam import Float8Seam, build_seam, float8_memory
 from trainer.model_setup import build_meta_model
 
 CPU = torch.device("cpu")
@@ -132,3 +133,35 @@ def test_the_recompile_limit_is_raised_by_the_seam_and_said(device_type, raised)
         assert torch._dynamo.config.recompile_limit == (64 if raised else 8)
     said = [line for line in seam.summary_lines() if "recompile_limit raised from 8 to 64" in line]
     assert len(said) == int(raised)
+
+
+@pytest.mark.parametrize(
+    ("args", "run_name", "plan", "summary"),
+    [
+        ({"enabled": False}, "fp32", "float32", "params float32"),
+        ({"scaling": "rowwise"}, "rowwise", "float8 rowwise", "float8 rowwise, params float32"),
+        ({"impl": "torchao"}, "tensorwise-torchao", "float8 tensorwise (torchao)", "float8 tensorwise (torchao 9.9), "),
+    ],
+)
+def test_the_seam_says_the_precision_of_the_run(monkeypatch, args, run_name, plan, summary):
+    """One place per implementation for the run name's, the dry run's and the startup summary's precision."""
+    monkeypatch.setattr("trainer.float8_seam.reference.torchao_version", lambda asked_by: "9.9")  # no torchao import
+    seam = _seam(_cfg(**args))
+    assert seam.run_name_precision("float32") == run_name
+    assert seam.plan_precision("float32") == plan
+    assert seam.describe("params float32").startswith(summary)
+
+
+@pytest.mark.parametrize(
+    ("args", "memory"),
+    [
+        ({"enabled": False, "fsdp_float8_all_gather": True}, Float8Memory()),
+        ({"fsdp_float8_all_gather": True}, Float8Memory(linears=True, kept_shards=True)),
+        ({"fsdp_float8_all_gather": True, "cast_weights_once": False}, Float8Memory(linears=True)),
+        ({"fsdp_float8_all_gather": True, "scaling": "rowwise"}, Float8Memory(linears=True)),
+        # torchao casts each weight shard at every all-gather: nothing kept between steps.
+        ({"fsdp_float8_all_gather": True, "impl": "torchao"}, Float8Memory(linears=True)),
+    ],
+)
+def test_the_memory_estimate_asks_the_seam_what_float8_costs(args, memory):
+    assert float8_memory(_cfg(**args).float8) == memory
