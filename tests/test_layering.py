@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
+
+from trainer.config import Float8TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,12 +127,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+@functools.cache
+def project_graph() -> dict[str, set[str]]:
+    """The repository's import graph, parsed once for the tests that read it."""
+    return import_graph(ROOT)
+
+
 def test_imports_point_down_the_ranks():
-    assert upward_imports(import_graph(ROOT)) == []
+    assert upward_imports(project_graph()) == []
 
 
 def test_no_import_circles():
-    assert cycles(import_graph(ROOT)) == []
+    assert cycles(project_graph()) == []
 
 
 def test_every_trainer_part_has_a_rank():
@@ -154,7 +163,7 @@ SEAM_ENTRIES = {"trainer.float8_seam.seam", "trainer.float8_seam.options"}
 def test_the_rest_of_the_trainer_reaches_float8_through_the_seam():
     """Only trainer/float8_seam/ imports float8/; other trainer modules import the seam's entries only."""
     offenders = []
-    for module, targets in import_graph(ROOT).items():
+    for module, targets in project_graph().items():
         if not module.startswith("trainer.") or module.startswith("trainer.float8_seam"):
             continue
         offenders += [f"{module} imports {t}" for t in sorted(targets)
@@ -166,11 +175,9 @@ def float8_rules_outside_the_seam(root: Path) -> list[str]:
     """Where trainer/ or train.py, outside the seam and the config schema, names a float8 recipe or
     implementation ('tensorwise', 'torchao') or reads a `[float8]` key (`cfg.float8.scaling`): a float8
     rule living outside trainer/float8_seam/. Passing the section on (`build_seam(cfg.float8, ...)`) is fine."""
-    from float8.recipe import RECIPES
-    from trainer.config import Float8TrainingConfig
-
-    keys = {f.name for f in dataclasses.fields(Float8TrainingConfig)}
-    names = {*RECIPES, *dataclasses.fields(Float8TrainingConfig)[-1].metadata["choices"]}
+    # The schema's choices, not float8.RECIPES (the same names: tests/test_float8_training.py): no torch here.
+    fields = {f.name: f for f in dataclasses.fields(Float8TrainingConfig)}
+    names = {*fields["scaling"].metadata["choices"], *fields["impl"].metadata["choices"]}
     files = [root / "train.py", *(root / "trainer").rglob("*.py")]
     found = []
     for path in sorted(p for p in files if p.exists()):
@@ -180,7 +187,7 @@ def float8_rules_outside_the_seam(root: Path) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"{relative}:{node.lineno} names {node.value!r}")
-            elif (isinstance(node, ast.Attribute) and node.attr in keys
+            elif (isinstance(node, ast.Attribute) and node.attr in fields
                   and isinstance(node.value, ast.Attribute) and node.value.attr == "float8"):
                 found.append(f"{relative}:{node.lineno} reads float8.{node.attr}")
     return found
