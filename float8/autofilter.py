@@ -34,6 +34,8 @@ WARMUP_ITERS = 2
 TIMED_ITERS = 7
 # Every reason AutoFilter gives starts with this.
 AUTO_REASON_PREFIX = "auto: "
+# The rule AutoFilter's verdicts name (Float8ConversionReport.kept_by).
+AUTO_RULE = "auto"
 # Float8 must beat bf16 by this fraction: closer is a tie within timing noise (small shapes are
 # launch-bound in both, e.g. 64x64 at 64 tokens compiled: 1.001 against 0.999 ms on an H200), and
 # a tie keeps bf16, which costs no accuracy.
@@ -172,4 +174,4 @@ class AutoFilter:
 
     def __call__(self, module: nn.Module, fqn: str) -> bool | KeepHighPrecision:
         reason = self.keep_reason((module.in_features, module.out_features))
-        return True if reason is None else KeepHighPrecision(reason)
+        return True if reason is None else KeepHighPrecision(reason, rule=AUTO_RULE)

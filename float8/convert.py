@@ -14,10 +14,22 @@ from float8.linear import Float8Linear
 _ALIGN = 16
 
 
+# The rules that keep a linear in high precision, as `Float8ConversionReport.kept_by` names them
+# (a `KeepHighPrecision` may name its own, as filter = "auto"'s AutoFilter does).
+FILTER_FQNS, ALIGNMENT, MIN_FEATURES, MODULE_FILTER = "filter_fqns", "alignment", "min_features", "module_filter_fn"
+
+
 @dataclass
 class Float8ConversionReport:
     converted: list[str] = field(default_factory=list)
+    # (fqn, why), the why as the summary prints it.
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    # fqn -> the rule that kept it in high precision, for code that acts on the why.
+    kept_by: dict[str, str] = field(default_factory=dict)
+
+    def skip(self, fqn: str, rule: str, reason: str) -> None:
+        self.skipped.append((fqn, reason))
+        self.kept_by[fqn] = rule
 
     def __str__(self) -> str:
         text = f"{len(self.converted)} converted"
@@ -50,9 +62,11 @@ def _by_reason(items: list[tuple[str, str]]) -> str:
 @dataclass(frozen=True)
 class KeepHighPrecision:
     """What a `module_filter_fn` may return instead of False: keep the linear, for `reason`
-    (which the report lists). It is falsy, so filters that return it read as False anywhere."""
+    (which the report lists) under `rule` (its `kept_by`). It is falsy, so filters that return
+    it read as False anywhere."""
 
     reason: str
+    rule: str = MODULE_FILTER
 
     def __bool__(self) -> bool:
         return False
@@ -61,31 +75,37 @@ class KeepHighPrecision:
 ModuleFilterFn = Callable[[nn.Module, str], bool | KeepHighPrecision]
 
 
-def rules_skip_reason(fqn: str, linear: nn.Linear, config: Float8Config) -> str | None:
-    """Why `config`'s rules (filter_fqns, alignment, min_features) keep `linear` in high
+def rules_skip(fqn: str, linear: nn.Linear, config: Float8Config) -> tuple[str, str] | None:
+    """(rule, why) `config`'s rules (filter_fqns, alignment, min_features) keep `linear` in high
     precision, or None when they convert it."""
     if any(f in fqn for f in config.filter_fqns):
-        return "filtered by filter_fqns"
+        return FILTER_FQNS, "filtered by filter_fqns"
     for dim in ("in_features", "out_features"):
         size = getattr(linear, dim)
         if size % _ALIGN:
-            return f"{dim} {size} not divisible by {_ALIGN}"
+            return ALIGNMENT, f"{dim} {size} not divisible by {_ALIGN}"
     if min(linear.in_features, linear.out_features) < config.min_features:
-        return "smaller than min_features"
+        return MIN_FEATURES, "smaller than min_features"
     return None
 
 
-def _skip_reason(
+def rules_skip_reason(fqn: str, linear: nn.Linear, config: Float8Config) -> str | None:
+    """Why `config`'s rules keep `linear` in high precision, or None when they convert it."""
+    skip = rules_skip(fqn, linear, config)
+    return None if skip is None else skip[1]
+
+
+def _skip(
     fqn: str, linear: nn.Linear, config: Float8Config, module_filter_fn: ModuleFilterFn | None
-) -> str | None:
-    reason = rules_skip_reason(fqn, linear, config)
-    if reason is None and module_filter_fn is not None:
+) -> tuple[str, str] | None:
+    skip = rules_skip(fqn, linear, config)
+    if skip is None and module_filter_fn is not None:
         verdict = module_filter_fn(linear, fqn)
         if isinstance(verdict, KeepHighPrecision):
-            return verdict.reason
+            return verdict.rule, verdict.reason
         if not verdict:
-            return "rejected by module_filter_fn"
-    return reason
+            return MODULE_FILTER, "rejected by module_filter_fn"
+    return skip
 
 
 def convert_to_float8_training(
@@ -118,12 +138,12 @@ def convert_to_float8_training(
                 setattr(parent, name, swapped[id(child)])
                 continue
             fqn = f"{parent_fqn}.{name}" if parent_fqn else name
-            reason = _skip_reason(fqn, child, config, module_filter_fn)
-            if reason is None:
+            skip = _skip(fqn, child, config, module_filter_fn)
+            if skip is None:
                 new = Float8Linear.from_float(child, config)
                 setattr(parent, name, new)
                 swapped[id(child)] = new
                 report.converted.append(fqn)
             else:
-                report.skipped.append((fqn, reason))
+                report.skip(fqn, *skip)
     return report

@@ -119,7 +119,7 @@ def reference_version(cli: argparse.Namespace) -> str | None:
     if not any(impl == "torchao" for _, _, impl in run_cells(cli)):
         return None
     # Here, not at the top: the parent process loads torch only when a cell runs torchao.
-    from trainer.float8_reference import ReferenceMissing, torchao_version
+    from trainer.float8_seam.reference import ReferenceMissing, torchao_version
 
     try:
         return torchao_version("--impls torchao")

@@ -2,7 +2,7 @@
 and the reference library, torchao's `torchao.float8` (optional: pip install -e ".[reference]").
 
 Both convert the same modules in place with the same recipe; torchao's side is the trainer's
-(`[float8] impl = "torchao"`, trainer/float8_reference.py), which maps the recipes:
+(`[float8] impl = "torchao"`, trainer/float8_seam/reference.py), which maps the recipes:
 
     ours            torchao
     tensorwise      Float8LinearConfig()                                  (its default)
@@ -18,8 +18,8 @@ from torch import nn
 
 from float8 import Float8Config, convert_to_float8_training, raise_dynamo_recompile_limit
 from trainer.config import Float8Impl
-from trainer.float8_reference import ReferenceMissing, torchao_config
-from trainer.float8_reference import torchao_version as reference_version
+from trainer.float8_seam.reference import ReferenceMissing, torchao_config
+from trainer.float8_seam.reference import torchao_version as reference_version
 
 IMPLS = typing.get_args(Float8Impl)
 __all__ = ["IMPLS", "ReferenceMissing", "convert", "torchao_version"]

@@ -1,28 +1,33 @@
-"""The float8 advice (trainer/float8_training.py): every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
+"""The float8 advice of our implementation (trainer/float8_seam/rules.py and ours.py): every warning, the refusal on GPUs without float8 GEMMs, and the user seeing it."""
 
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from float8 import Float8ConversionReport
+from float8.autofilter import AUTO_RULE
+from float8.convert import ALIGNMENT, FILTER_FQNS
 from tests.helpers import ROOT, run_train
-from trainer import float8_training
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.float8_training import MIN_FLOAT8_TOKENS, Float8RunContext
+from trainer.float8_seam import rules
+from trainer.float8_seam.ours import MIN_FLOAT8_TOKENS
+from trainer.float8_seam.rules import Float8RunContext
+from trainer.float8_seam.seam import build_seam
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
 
 
 def advise(
-    cfg: Config, device: torch.device, float8_report: object = None, dp_degree: int = 1, tp_degree: int = 1
+    cfg: Config, device: torch.device, float8_report: Float8ConversionReport | None = None, dp_degree: int = 1, tp_degree: int = 1
 ) -> list[str]:
-    run = Float8RunContext.for_run(cfg, device.type, "bfloat16")
-    return float8_training.advise(cfg.float8, run, device, float8_report, dp_degree, tp_degree)
+    seam = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device.type, "bfloat16"))
+    seam.report = float8_report
+    return seam.advice(device, dp_degree, tp_degree)
 
 
 def _cfg(**float8: object) -> Config:
@@ -77,7 +82,7 @@ def test_float8_without_compile():
 def test_float8_without_compile_with_the_triton_casts(monkeypatch):
     """Where the eager casts are float8/kernels (CUDA with Triton), eager float8 is no longer
     called slow: the note says it beats eager bf16 and where that was measured."""
-    import trainer.float8_training as seam
+    import trainer.float8_seam.ours as seam
 
     monkeypatch.setattr(seam, "eager_backend", lambda device_type, mode: "triton")
     cfg = _cfg()
@@ -109,7 +114,6 @@ def test_float8_gpu_is_accepted(fake_gpu):
     cfg = _cfg()
     cfg.training.batch_size, cfg.training.seq_len = 2, 4096
     assert advise(cfg, CUDA) == []
-    assert float8_training.float8_gemm_supported(CUDA)
 
 
 def test_tiny_gemms_on_gpu(fake_gpu):
@@ -129,7 +133,7 @@ def test_tiny_gemms_on_gpu(fake_gpu):
 @pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
 def test_fsdp_float8_all_gather_with_rowwise(monkeypatch, scaling):
     # Whether this torch runs row-wise GEMMs on CPU (2.11 does not) is another test's concern.
-    monkeypatch.setattr(float8_training, "scaled_mm_supported", lambda rowwise, device_type: True)
+    monkeypatch.setattr(rules, "scaled_mm_supported", lambda rowwise, device_type: True)
     note = _only(advise(_cfg(scaling=scaling), CPU), "fsdp_float8_all_gather has no effect")
     assert f"float8.scaling = '{scaling}'" in note
     assert advise(_cfg(scaling=scaling, fsdp_float8_all_gather=False), CPU) == []
@@ -142,27 +146,39 @@ def test_tensorwise_without_fsdp_float8_all_gather():
     assert advise(cfg, CPU, dp_degree=1) == []  # no FSDP sharding, nothing to all-gather
 
 
+def _report(*skipped: tuple[str, str, str]) -> Float8ConversionReport:
+    """A conversion report of linears kept in high precision: (fqn, rule, why) each."""
+    report = Float8ConversionReport()
+    for fqn, rule, why in skipped:
+        report.skip(fqn, rule, why)
+    return report
+
+
+OUTPUT_FILTERED = ("output", FILTER_FQNS, "filtered by filter_fqns")
+
+
 def test_layers_skipped_by_size_but_not_by_filter():
-    skipped = [("output", "filtered by filter_fqns")] + [
-        (f"layers.{i}.attention.wk", "out_features 64 not divisible by 16") for i in range(6)
-    ]
-    note = _only(advise(_cfg(), CPU, SimpleNamespace(skipped=skipped)), "stay in high precision")
+    report = _report(OUTPUT_FILTERED, *[
+        (f"layers.{i}.attention.wk", ALIGNMENT, "out_features 64 not divisible by 16") for i in range(6)
+    ])
+    note = _only(advise(_cfg(), CPU, report), "stay in high precision")
     assert note.startswith("6 linear layers stay in high precision")
     assert "layers.0.attention.wk (out_features 64 not divisible by 16)" in note
     assert "layers.3.attention.wk" in note and "layers.4.attention.wk" not in note
     assert note.endswith("and 2 more")
     assert "output" not in note  # the user asked for that one
-    only_filtered = SimpleNamespace(skipped=[("output", "filtered by filter_fqns")])
-    assert advise(_cfg(), CPU, only_filtered) == []
+    assert advise(_cfg(), CPU, _report(OUTPUT_FILTERED)) == []
+    # What filter = "auto" keeps, the summary lists with its timings: no warning for it.
+    assert advise(_cfg(), CPU, _report(OUTPUT_FILTERED, ("layers.0.attention.wk", AUTO_RULE, "auto: 64->64 ..."))) == []
 
 
 def test_layers_filtered_beyond_the_default():
     cfg = _cfg()
     cfg.float8.filter_fqns = ["output", "wq"]
-    skipped = [("output", "filtered by filter_fqns")] + [
-        (f"layers.{i}.attention.wq", "filtered by filter_fqns") for i in range(5)
-    ]
-    note = _only(advise(cfg, CPU, SimpleNamespace(skipped=skipped)), "float8.filter_fqns keeps")
+    report = _report(OUTPUT_FILTERED, *[
+        (f"layers.{i}.attention.wq", FILTER_FQNS, "filtered by filter_fqns") for i in range(5)
+    ])
+    note = _only(advise(cfg, CPU, report), "float8.filter_fqns keeps")
     assert note.startswith("float8.filter_fqns keeps 5 more linear layers in high precision than the default ['output']")
     assert "layers.0.attention.wq, layers.1.attention.wq" in note and note.endswith("no float8 speed-up")
     assert "and 1 more" in note and "output," not in note

@@ -185,7 +185,7 @@ def test_impls_run_every_float8_precision_per_implementation(tmp_path, monkeypat
         return r
 
     monkeypatch.setattr(ct, "run_cell", fake_cell)
-    monkeypatch.setattr("trainer.float8_reference.torchao_version", lambda asked_by: "9.9")
+    monkeypatch.setattr("trainer.float8_seam.reference.torchao_version", lambda asked_by: "9.9")
     out = tmp_path / "o"
     assert ct.main(["--config", "configs/debug.toml", "--out", str(out), "--steps", "4", "--impls", "ours,torchao",
                     "--precisions", "bf16,tensorwise,rowwise", "--compile", "none,block"]) == 0

@@ -26,11 +26,14 @@ from float8 import (
     linear_shapes,
     time_linear_shapes,
 )
-from float8.autofilter import time_linear_shape
+from float8.autofilter import AUTO_RULE, time_linear_shape
+from float8.convert import ALIGNMENT, FILTER_FQNS, MODULE_FILTER
 from models.llama import LLAMA2_FLAVORS
 from tests.helpers import free_port, run_train
 from trainer.config import Config
-from trainer.float8_training import Float8RunContext, Float8Training
+from trainer.float8_seam.ours import OursFloat8Training
+from trainer.float8_seam.rules import Float8RunContext
+from trainer.float8_seam.seam import build_seam
 from trainer.model_setup import build_meta_model
 
 CPU = torch.device("cpu")
@@ -81,6 +84,8 @@ def test_stub_timings_decide_which_linears_are_converted():
         ("small", reason), ("small_again", reason), ("unaligned", "out_features 40 not divisible by 16"),
         ("output", "filtered by filter_fqns"),
     ]
+    # Which rule kept each, for code that acts on it (the seam's advice), without parsing the why.
+    assert report.kept_by == {"small": AUTO_RULE, "small_again": AUTO_RULE, "unaligned": ALIGNMENT, "output": FILTER_FQNS}
     assert f"small, small_again ({reason})" in str(report)
 
 
@@ -96,7 +101,11 @@ def test_module_filter_fn_reasons():
     with torch.device("meta"):
         model = Net()
     kept = convert_to_float8_training(model, Float8Config(), lambda m, fqn: KeepHighPrecision("mine") if fqn == "big" else True)
-    assert ("big", "mine") in kept.skipped and "small" in kept.converted
+    assert ("big", "mine") in kept.skipped and "small" in kept.converted and kept.kept_by["big"] == MODULE_FILTER
+    with torch.device("meta"):
+        model = Net()
+    named = convert_to_float8_training(model, Float8Config(), lambda m, fqn: KeepHighPrecision("mine", rule="my rule"))
+    assert named.kept_by["big"] == "my rule"
     with torch.device("meta"):
         model = Net()
     rejected = convert_to_float8_training(model, Float8Config(), lambda m, fqn: fqn != "big")
@@ -112,10 +121,10 @@ def test_the_real_timer_needs_cuda():
 # ---------------------------------------------------------------- the trainer's seam
 
 
-def _seam(device_type: str, timer: StubTimer | None = None, filter: str = "auto") -> Float8Training:
+def _seam(device_type: str, timer: StubTimer | None = None, filter: str = "auto") -> OursFloat8Training:
     cfg = Config()
     cfg.float8.enabled, cfg.float8.filter, cfg.compile.mode = True, filter, "block"
-    return Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device_type, "bfloat16"), timer)
+    return build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, "bfloat16"), timer)
 
 
 @pytest.fixture

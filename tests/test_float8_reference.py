@@ -1,4 +1,4 @@
-"""`[float8] impl = "torchao"` (trainer/float8_reference.py): the trainer on the reference library.
+"""`[float8] impl = "torchao"` (trainer/float8_seam/reference.py): the trainer on the reference library.
 
 The runs use float32 parameters (the same on every CPU) and route torchao's `torch._scaled_mm`
 to ATen's CPU formula (tests/train_aten_scaled_mm.py), which our package uses on CPU anyway:
@@ -19,12 +19,13 @@ import torch
 from float8 import Float8Linear
 from models.llama import LLAMA2_FLAVORS
 from tests.helpers import ROOT, read_metrics, run_train
-from trainer import float8_reference
 from trainer.config import Config, build_config
 from trainer.distributed.parallelize import PLAIN_TP_STYLES
 from trainer.errors import UserError
-from trainer.float8_reference import ReferenceMissing, TorchaoFloat8Training, torchao_config
-from trainer.float8_training import Float8RunContext, Float8Training
+from trainer.float8_seam import rules
+from trainer.float8_seam.reference import ReferenceMissing, TorchaoFloat8Training, torchao_config
+from trainer.float8_seam.rules import Float8RunContext
+from trainer.float8_seam.seam import build_seam
 from trainer.model_setup import build_meta_model
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
@@ -63,7 +64,7 @@ def _assert_close(a: list, b: list, rtol: float, label: str) -> None:
 
 
 def _seam(cfg: Config, device_type: str = "cpu"):
-    return Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device_type, "float32"))
+    return build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, "float32"))
 
 
 def _cfg(*args: str) -> Config:
@@ -167,10 +168,11 @@ def test_ours_never_imports_torchao():
         import scripts.compare_throughput, trainer.dry_run, trainer.trainer
         from models.llama import LLAMA2_FLAVORS
         from trainer.config import build_config
-        from trainer.float8_training import Float8RunContext, Float8Training
+        from trainer.float8_seam.rules import Float8RunContext
+        from trainer.float8_seam.seam import build_seam
         from trainer.model_setup import build_meta_model
         cfg = build_config(["--float8.enabled", "true"])
-        seam = Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, "cpu", "float32"))
+        seam = build_seam(cfg.float8, Float8RunContext.for_run(cfg, "cpu", "float32"))
         seam.convert(build_meta_model(LLAMA2_FLAVORS["debug"]))
         seam.tp_styles(), seam.post_optimizer_step(None)
         assert "torchao" not in sys.modules, "torchao imported"
@@ -270,7 +272,7 @@ def test_advice(monkeypatch):
     notes = _seam(_cfg("--compile.mode", "block")).advice(torch.device("cpu"), dp_degree=2, tp_degree=1)
     assert any("without float8.fsdp_float8_all_gather" in n for n in notes)
     assert not any("eager" in n for n in notes)
-    monkeypatch.setattr(float8_reference, "scaled_mm_supported", lambda rowwise, device_type: not rowwise)
+    monkeypatch.setattr(rules, "scaled_mm_supported", lambda rowwise, device_type: not rowwise)
     with pytest.raises(UserError, match=r"^float8\.scaling = 'rowwise' needs row-wise scaled float8 GEMMs"):
         _seam(_cfg("--float8.scaling", "rowwise")).advice(torch.device("cpu"), 1, 1)
     _seam(_cfg("--float8.scaling", "rowwise", "--float8.emulate", "true")).advice(torch.device("cpu"), 1, 1)

@@ -1,4 +1,5 @@
-"""trainer/float8_training.py: the trainer's one float8 seam, and one default per float8 setting."""
+"""trainer/float8_seam/: the trainer's one float8 seam (ours and off here; torchao: test_float8_reference.py),
+and one default per float8 setting."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import torch
 from float8 import RECIPES, Float8Config, Float8Linear
 from float8.tp import Float8ColwiseParallel
 from models.llama import LLAMA2_FLAVORS
-from trainer import float8_training
 from trainer.config import Config, Float8TrainingConfig
+from trainer.distributed.memory_plan import Float8Memory
 from trainer.distributed.parallelize import PLAIN_TP_STYLES
-from trainer.float8_training import Float8RunContext, Float8Training, NoFloat8Training
+from trainer.float8_seam import ours as float8_training
+from trainer.float8_seam.off import NoFloat8Training
+from trainer.float8_seam.rules import Float8RunContext
+from trainer.float8_seam.seam import Float8Seam, build_seam, float8_memory
 from trainer.model_setup import build_meta_model
 
 CPU = torch.device("cpu")
@@ -28,8 +32,8 @@ def _cfg(**float8: object) -> Config:
     return cfg
 
 
-def _seam(cfg: Config, device_type: str = "cpu") -> Float8Training | NoFloat8Training:
-    return Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device_type, cfg.training.mixed_precision_param))
+def _seam(cfg: Config, device_type: str = "cpu") -> Float8Seam:
+    return build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, cfg.training.mixed_precision_param))
 
 
 # Trainer-only keys: `enabled`; `filter`, whose "auto" needs the run's device, tokens and compile mode;
@@ -140,3 +144,35 @@ def test_float8_eager_casts_reach_the_float8_package():
 
     assert typing.get_args(Float8EagerCasts) == EAGER_CASTS
     assert float8_training.float8_config(build_config(["--float8.eager_casts", "plain"]).float8).eager_casts == "plain"
+
+
+@pytest.mark.parametrize(
+    ("args", "run_name", "plan", "summary"),
+    [
+        ({"enabled": False}, "fp32", "float32", "params float32"),
+        ({"scaling": "rowwise"}, "rowwise", "float8 rowwise", "float8 rowwise, params float32"),
+        ({"impl": "torchao"}, "tensorwise-torchao", "float8 tensorwise (torchao)", "float8 tensorwise (torchao 9.9), "),
+    ],
+)
+def test_the_seam_says_the_precision_of_the_run(monkeypatch, args, run_name, plan, summary):
+    """One place per implementation for the run name's, the dry run's and the startup summary's precision."""
+    monkeypatch.setattr("trainer.float8_seam.reference.torchao_version", lambda asked_by: "9.9")  # no torchao import
+    seam = _seam(_cfg(**args))
+    assert seam.run_name_precision("float32") == run_name
+    assert seam.plan_precision("float32") == plan
+    assert seam.describe("params float32").startswith(summary)
+
+
+@pytest.mark.parametrize(
+    ("args", "memory"),
+    [
+        ({"enabled": False, "fsdp_float8_all_gather": True}, Float8Memory()),
+        ({"fsdp_float8_all_gather": True}, Float8Memory(linears=True, kept_shards=True)),
+        ({"fsdp_float8_all_gather": True, "cast_weights_once": False}, Float8Memory(linears=True)),
+        ({"fsdp_float8_all_gather": True, "scaling": "rowwise"}, Float8Memory(linears=True)),
+        # torchao casts each weight shard at every all-gather: nothing kept between steps.
+        ({"fsdp_float8_all_gather": True, "impl": "torchao"}, Float8Memory(linears=True)),
+    ],
+)
+def test_the_memory_estimate_asks_the_seam_what_float8_costs(args, memory):
+    assert float8_memory(_cfg(**args).float8) == memory

@@ -8,9 +8,13 @@ trainer/ must be given a rank here, so the architecture cannot change without th
 from __future__ import annotations
 
 import ast
+import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
+
+from trainer.config import Float8TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,11 +23,13 @@ RANKS = {
     "models": 1,
     "trainer.launch": 2,
     "trainer.errors": 3, "trainer.log": 3, "trainer.records": 3, "trainer.threads": 3,
+    # The float8 seam's config rules: read by trainer.config's checks, importing nothing of the project.
+    "trainer.float8_seam.options": 3,
     "trainer.config": 4, "trainer.precision": 4,
     "trainer.data": 5, "trainer.distributed": 5, "trainer.metrics": 5, "trainer.optim": 5,
     "trainer.model_setup": 5, "trainer.run_facts": 5, "trainer.train_state": 5,
-    "trainer.loss": 6, "trainer.checkpoint": 6, "trainer.float8_reference": 6,
-    "trainer.float8_training": 7, "trainer.validation": 7, "trainer.run_folder": 7, "trainer.step": 7,
+    "trainer.loss": 6, "trainer.checkpoint": 6, "trainer.float8_seam": 6,
+    "trainer.validation": 7, "trainer.run_folder": 7, "trainer.step": 7,
     "trainer.trainer": 8, "trainer.dry_run": 8,
     "trainer.crash": 9,
     "trainer.cli": 10,
@@ -42,12 +48,15 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def part_of(module: str) -> str | None:
-    """The ranked part a module belongs to: float8, models, scripts, train, or trainer.<first level>."""
+    """The ranked part a module belongs to: float8, models, scripts, train, trainer.<first level>,
+    or a module deeper in trainer/ that RANKS names on its own."""
     top = module.split(".")[0]
     if top not in PROJECT or module == "trainer":  # trainer/__init__.py is empty
         return None
     if top == "trainer":
-        return ".".join(module.split(".")[:2])
+        parts = module.split(".")
+        return next((".".join(parts[:n]) for n in range(len(parts), 2, -1) if ".".join(parts[:n]) in RANKS),
+                    ".".join(parts[:2]))
     return top
 
 
@@ -119,12 +128,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+@functools.cache
+def project_graph() -> dict[str, set[str]]:
+    """The repository's import graph, parsed once for the tests that read it."""
+    return import_graph(ROOT)
+
+
 def test_imports_point_down_the_ranks():
-    assert upward_imports(import_graph(ROOT)) == []
+    assert upward_imports(project_graph()) == []
 
 
 def test_no_import_circles():
-    assert cycles(import_graph(ROOT)) == []
+    assert cycles(project_graph()) == []
 
 
 def test_every_trainer_part_has_a_rank():
@@ -140,6 +155,59 @@ def test_float8_and_models_stay_self_contained():
         text = path.read_text()
         for word in ("torch.distributed", "fully_shard", "parallelize_module", "DeviceMesh"):
             assert word not in text, (path, word)
+
+
+# The float8 seam's public face: what the rest of trainer/ may import of trainer/float8_seam/.
+SEAM_ENTRIES = {"trainer.float8_seam.seam", "trainer.float8_seam.options"}
+
+
+def test_the_rest_of_the_trainer_reaches_float8_through_the_seam():
+    """Only trainer/float8_seam/ imports float8/; other trainer modules import the seam's entries only."""
+    offenders = []
+    for module, targets in project_graph().items():
+        if not module.startswith("trainer.") or module.startswith("trainer.float8_seam"):
+            continue
+        offenders += [f"{module} imports {t}" for t in sorted(targets)
+                      if t.split(".")[0] == "float8" or (t.startswith("trainer.float8_seam") and t not in SEAM_ENTRIES)]
+    assert offenders == []
+
+
+def float8_rules_outside_the_seam(root: Path) -> list[str]:
+    """Where trainer/ or train.py, outside the seam and the config schema, names a float8 recipe or
+    implementation ('tensorwise', 'torchao') or reads a `[float8]` key (`cfg.float8.scaling`): a float8
+    rule living outside trainer/float8_seam/. Passing the section on (`build_seam(cfg.float8, ...)`) is fine."""
+    # The schema's choices, not float8.RECIPES (the same names: tests/test_float8_training.py): no torch here.
+    fields = {f.name: f for f in dataclasses.fields(Float8TrainingConfig)}
+    names = {*fields["scaling"].metadata["choices"], *fields["impl"].metadata["choices"]}
+    files = [root / "train.py", *(root / "trainer").rglob("*.py")]
+    found = []
+    for path in sorted(p for p in files if p.exists()):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith("trainer/float8_seam/") or relative == "trainer/config/schema.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{relative}:{node.lineno} names {node.value!r}")
+            elif (isinstance(node, ast.Attribute) and node.attr in fields
+                  and isinstance(node.value, ast.Attribute) and node.value.attr == "float8"):
+                found.append(f"{relative}:{node.lineno} reads float8.{node.attr}")
+    return found
+
+
+def test_float8_rules_live_in_the_seam():
+    assert float8_rules_outside_the_seam(ROOT) == []
+
+
+def test_float8_rule_finder_finds_a_planted_rule(tmp_path):
+    _plant(tmp_path, {
+        "trainer/run_facts.py": 'def f(cfg):\n    return cfg.float8.scaling if cfg.float8.impl != "ours" else 0\n',
+        "trainer/float8_seam/ours.py": 'RECIPE = "tensorwise"\n',
+        "train.py": "",
+    })
+    assert float8_rules_outside_the_seam(tmp_path) == [
+        "trainer/run_facts.py:2 reads float8.scaling", "trainer/run_facts.py:2 reads float8.impl",
+        "trainer/run_facts.py:2 names 'ours'",
+    ]
 
 
 def test_file_and_function_sizes():

@@ -14,6 +14,7 @@ from tests.helpers import run_train
 from trainer.config import build_config
 from trainer.distributed.memory_plan import (
     GIB,
+    Float8Memory,
     capacity,
     check_plan,
     estimate,
@@ -22,6 +23,7 @@ from trainer.distributed.memory_plan import (
     n_params,
 )
 from trainer.errors import UserError
+from trainer.float8_seam.seam import float8_memory
 from trainer.model_setup import model_args_for
 from trainer.precision import resolve_param_precision
 
@@ -90,8 +92,8 @@ def test_check_plan_raises_a_user_error(monkeypatch):
     args = model_args_for(cfg, None, "cpu")
     monkeypatch.setattr("trainer.distributed.memory_plan.capacity", lambda device: ("this host", 16 * GIB))
     with pytest.raises(UserError, match=r"needs about \d+\.\d GiB per GPU .* but this host has 16\.0 GiB"):
-        check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", False)
-    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", False, refuse=False)
+        check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", False, Float8Memory())
+    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", False, Float8Memory(), refuse=False)
     assert error is not None and est.total > 16 * GIB
 
 
@@ -109,7 +111,8 @@ def test_shipped_configs_fit_an_h200(path):
     args = model_args_for(cfg, None, "cpu")
     param_dtype = resolve_param_precision(cfg.training.mixed_precision_param, "cuda").dtype
     tp = cfg.parallelism.tensor_parallel_degree
-    est = estimate_for(cfg, args, "cuda", 1, tp, param_dtype, tp > 1 and cfg.parallelism.loss_parallel)
+    est = estimate_for(cfg, args, "cuda", 1, tp, param_dtype, tp > 1 and cfg.parallelism.loss_parallel,
+                       float8_memory(cfg.float8))
     assert fit_error(est, "H200", H200_BYTES) is None, est.summary()
 
 
@@ -118,7 +121,7 @@ def test_debug_configs_fit_this_cpu(path):
     cfg = build_config(["--config", path])
     args = model_args_for(cfg, None, "cpu")
     param_dtype = resolve_param_precision(cfg.training.mixed_precision_param, "cpu").dtype
-    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, param_dtype, False)
+    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, param_dtype, False, float8_memory(cfg.float8))
     assert error is None and est.total < 1 * GIB
 
 

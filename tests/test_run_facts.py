@@ -3,12 +3,15 @@ import dataclasses
 import pytest
 
 from trainer.config import build_config
+from trainer.float8_seam.rules import Float8RunContext
+from trainer.float8_seam.seam import build_seam
 from trainer.run_facts import RunFacts, startup_summary
 
 
 def _facts(args, world_size=8, dp=4, tp=2, param_dtype="bfloat16"):
     cfg = build_config(["--config", "configs/debug.toml", *args])
-    return cfg, RunFacts.for_run(cfg, world_size, dp, tp, param_dtype, n_params=1000, flops_per_token=6000)
+    precision = build_seam(cfg.float8, Float8RunContext.for_run(cfg, "cpu", param_dtype)).run_name_precision(param_dtype)
+    return cfg, RunFacts.for_run(cfg, world_size, dp, tp, param_dtype, precision, n_params=1000, flops_per_token=6000)
 
 
 def test_batch_and_token_counts_follow_the_layout():

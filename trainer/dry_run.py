@@ -9,7 +9,7 @@ from trainer.config import Config, check_layout
 from trainer.config import notes as config_notes
 from trainer.distributed.memory_plan import check_plan
 from trainer.distributed.single_rank_fast_path import choose_fast_path
-from trainer.float8_training import Float8RunContext, Float8Training
+from trainer.float8_seam.seam import Float8RunContext, build_seam, float8_memory
 from trainer.launch import launch_world_size, launched_by_torchrun, pick_device_type
 from trainer.log import info
 from trainer.metrics.logger import flops_per_token
@@ -37,17 +37,16 @@ def print_plan(cfg: Config) -> None:
     world = _planned_world_size(cfg)
     dp, tp = check_layout(cfg, world, args.n_heads, args.n_kv_heads)
     model = build_meta_model(args)
-    float8 = Float8Training.from_config(cfg.float8, Float8RunContext.for_run(cfg, device.type, params.dtype))
+    float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device.type, params.dtype))
     # The dry run never times linears (filter = "auto"): it lists the ones the run would time.
     report = float8.convert(model, time_linears=False)
     without_embedding = num_params(model, exclude_embedding=True)
     facts = RunFacts.for_run(
-        cfg, world, dp, tp, params.dtype, num_params(model),
+        cfg, world, dp, tp, params.dtype, float8.run_name_precision(params.dtype), num_params(model),
         flops_per_token(without_embedding, args.n_layers, args.dim, t.seq_len),
     )
     fpt = facts.flops_per_token
-    impl = f" ({cfg.float8.impl})" if cfg.float8.impl != "ours" else ""
-    precision = f"float8 {facts.float8_recipe}{impl}" if facts.float8_recipe else params.dtype
+    precision = float8.plan_precision(params.dtype)
     layout = f"world {world} = dp {dp} (FSDP2) x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not cfg.job.dry_run_world_size:
         layout += " (dp = -1 takes the rest of the world at launch)"
@@ -79,7 +78,9 @@ def print_plan(cfg: Config) -> None:
     # machine: one that cannot fit this host is a warning; a plan for this device is refused.
     planned_elsewhere = device.type == "cpu" and t.device == "auto"
     vocab_sharded_logits = tp > 1 and cfg.parallelism.loss_parallel
-    memory, too_big = check_plan(cfg, args, device, dp, tp, params.dtype, vocab_sharded_logits, refuse=not planned_elsewhere)
+    memory, too_big = check_plan(
+        cfg, args, device, dp, tp, params.dtype, vocab_sharded_logits, float8_memory(cfg.float8), refuse=not planned_elsewhere
+    )
     lines.append(f"  memory estimate   {memory.summary()}")
     if too_big:
         notes.append(too_big.replace("the plan needs", "on this host (no GPU) the plan needs", 1))

@@ -1,4 +1,4 @@
-"""Model construction for the trainer: flavour -> meta model -> weights init (float8: trainer/float8_training.py)."""
+"""Model construction for the trainer: flavour -> meta model -> weights init (float8: trainer/float8_seam/)."""
 
 from __future__ import annotations
 

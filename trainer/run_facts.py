@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 from trainer.config import Config
 
-_SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
-
 
 @dataclass(frozen=True)
 class RunFacts:
@@ -24,9 +22,8 @@ class RunFacts:
     # Tokens per step each GPU works on: its DP rank's tokens, split over the TP group.
     tokens_per_gpu: float
     param_dtype: str
-    float8_recipe: str | None
     # bf16, fp32 or the float8 recipe (with a float8.impl other than ours: tensorwise-torchao):
-    # the precision part of the default run name.
+    # the precision part of the default run name, as the float8 seam says.
     precision: str
     run_name: str
     n_params: int
@@ -34,20 +31,18 @@ class RunFacts:
 
     @staticmethod
     def for_run(
-        cfg: Config, world_size: int, dp: int, tp: int, param_dtype: str, n_params: int, flops_per_token: int
+        cfg: Config, world_size: int, dp: int, tp: int, param_dtype: str, precision: str, n_params: int,
+        flops_per_token: int,
     ) -> RunFacts:
-        """`param_dtype` is training.mixed_precision_param resolved for the device (never 'auto')."""
+        """`param_dtype` is training.mixed_precision_param resolved for the device (never 'auto'),
+        `precision` the float8 seam's `run_name_precision`."""
         t = cfg.training
         tokens_per_rank = t.batch_size * t.seq_len * t.gradient_accumulation_steps
-        recipe = cfg.float8.scaling if cfg.float8.enabled else None
-        precision = recipe or _SHORT_DTYPES[param_dtype]
-        if recipe and cfg.float8.impl != "ours":
-            precision = f"{recipe}-{cfg.float8.impl}"
         return RunFacts(
             world_size=world_size, dp=dp, tp=tp, batch_size=t.batch_size, seq_len=t.seq_len,
             grad_accum=t.gradient_accumulation_steps, global_batch=t.batch_size * t.gradient_accumulation_steps * dp,
             tokens_per_step=tokens_per_rank * dp, tokens_per_gpu=tokens_per_rank / tp, param_dtype=param_dtype,
-            float8_recipe=recipe, precision=precision,
+            precision=precision,
             run_name=cfg.job.run_name or f"{cfg.model.flavor}-{precision}-{cfg.compile.mode}",
             n_params=n_params, flops_per_token=flops_per_token,
         )

@@ -30,7 +30,7 @@ from trainer.distributed.memory_plan import check_plan
 from trainer.distributed.parallelize import parallelize_llama
 from trainer.distributed.single_rank_fast_path import choose_fast_path
 from trainer.errors import UserError
-from trainer.float8_training import Float8RunContext, Float8Training
+from trainer.float8_seam.seam import Float8RunContext, build_seam, float8_memory
 from trainer.launch import launch_world_size, pick_device_type
 from trainer.log import info, warn
 from trainer.loss import cross_entropy_sum
@@ -64,12 +64,11 @@ class Trainer:
         self._build_data()
         model = build_meta_model(self.model_args)
         # Float8 off gives a no-op seam: nothing below asks whether float8 is on.
-        self.float8 = Float8Training.from_config(
-            cfg.float8, Float8RunContext.for_run(cfg, self.device.type, self.param_precision.dtype)
-        )
+        self.float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, self.device.type, self.param_precision.dtype))
         self.float8.convert(model)
         self.facts = RunFacts.for_run(
-            cfg, self.world_size, self.dp, self.tp, self.param_precision.dtype, num_params(model),
+            cfg, self.world_size, self.dp, self.tp, self.param_precision.dtype,
+            self.float8.run_name_precision(self.param_precision.dtype), num_params(model),
             flops_per_token(num_params(model, exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
                             cfg.training.seq_len),
         )
@@ -127,9 +126,8 @@ class Trainer:
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # Before the data is read and any weight allocated: a plan whose memory cannot fit is
         # refused with the numbers (trainer/distributed/memory_plan.py).
-        self.memory, _ = check_plan(
-            cfg, self.model_args, self.device, self.dp, self.tp, self.param_precision.dtype, self.vocab_sharded_logits
-        )
+        self.memory, _ = check_plan(cfg, self.model_args, self.device, self.dp, self.tp, self.param_precision.dtype,
+                                    self.vocab_sharded_logits, float8_memory(cfg.float8))
         seed_everything(cfg.training.seed, cfg.training.deterministic)
         self.mesh = process_group.build_mesh(device_type, self.dp, self.tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()

@@ -8,6 +8,7 @@ import difflib
 from trainer.config.schema import SECTIONS, Config, DataFormat, choices_of
 from trainer.config.sources import SourceConfig
 from trainer.errors import UserError
+from trainer.float8_seam.options import health_cost_note, unsupported_option
 
 
 def did_you_mean(name: str, options: list[str]) -> str:
@@ -86,7 +87,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"profiling.steps {past} lie past training.steps = {cfg.training.steps}: they would never "
                         "be traced; pick steps of the run")
     _check_compile_backend(cfg.compile.backend)
-    _check_float8_impl(cfg)
+    if problem := unsupported_option(cfg.float8, cfg.metrics.float8_stats_freq):
+        raise UserError(problem)
 
 
 def _check_compile_backend(backend: str) -> None:
@@ -110,10 +112,8 @@ def notes(cfg: Config) -> list[str]:
                      f"{cfg.training.steps}: the run ends before the learning rate reaches optimizer.lr")
     if cfg.compile.mode == "none" and cfg.compile.backend != "inductor":
         found.append(f"compile.backend = '{cfg.compile.backend}' has no effect with compile.mode = 'none'")
-    if cfg.float8.enabled and cfg.metrics.float8_stats_freq and cfg.compile.mode == "block":
-        found.append(f"metrics.float8_stats_freq = {cfg.metrics.float8_stats_freq} with compile.mode = 'block': "
-                     "every block recompiles for the steps that record float8 health, which can make a short run "
-                     "several times slower; raise float8_stats_freq, or set it to 0 for speed")
+    if note := health_cost_note(cfg.float8, cfg.metrics.float8_stats_freq, cfg.compile.mode):
+        found.append(note)
     return found
 
 
@@ -134,20 +134,6 @@ def _check_sources(section: str, sources: list[SourceConfig]) -> None:
             raise UserError(f"{where}: name '{name}' clashes with {section}.sources[{seen[name]}]; "
                             "give each source a distinct name")
         seen[name] = i
-
-
-def _check_float8_impl(cfg: Config) -> None:
-    """Options only this repository's float8 package has, refused with the reference library."""
-    f8 = cfg.float8
-    if not (f8.enabled and f8.impl == "torchao"):
-        return
-    if f8.filter == "auto":
-        raise UserError("float8.filter = 'auto' times this repository's float8 linears, not torchao's: "
-                        "with float8.impl = 'torchao' set float8.filter = 'rules'")
-    if cfg.metrics.float8_stats_freq:
-        raise UserError(f"metrics.float8_stats_freq = {cfg.metrics.float8_stats_freq}: float8 health comes from "
-                        "this repository's float8 casts, torchao's report none: with float8.impl = 'torchao' "
-                        "set metrics.float8_stats_freq = 0")
 
 
 def check_layout(cfg: Config, world_size: int, n_heads: int, n_kv_heads: int) -> tuple[int, int]:

@@ -123,7 +123,7 @@ class Float8TrainingConfig:
         "auto = of those, only the shapes whose float8 forward + backward, timed at start-up on the GPU at "
         "the run's tokens per micro-batch (eager or compiled as compile.mode), beats bf16 (on CPU: as rules).",
     )
-    # Trainer-only: which implementation the trainer's float8 seam runs (trainer/float8_reference.py: torchao).
+    # Trainer-only: which implementation the trainer's float8 seam runs (trainer/float8_seam/reference.py: torchao).
     eager_casts: Float8EagerCasts = _opt(
         "auto", "How float8 casts run outside torch.compile: triton (one kernel per cast; CUDA), compiled "
                 "(torch.compile'd casts), plain (eager ops), or auto (triton on CUDA where Triton imports, else "

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from float8.recipe import RECIPES
 from models.llama.args import LlamaArgs
 from models.llama.attention import FLEX_BLOCK_SIZE
 from trainer.config import Config
@@ -84,6 +83,16 @@ def n_params(args: LlamaArgs) -> tuple[int, int]:
     d, hd = args.dim, args.head_dim
     block = 2 * d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + 3 * d * args.hidden_dim + 2 * d
     return 2 * args.vocab_size * d + args.n_layers * block + d, block
+
+
+@dataclass(frozen=True)
+class Float8Memory:
+    """What the estimate needs to know of float8, as the float8 seam (trainer/float8_seam) says."""
+
+    # Float8 linears: 1 byte per gathered weight parameter, and their activation bytes.
+    linears: bool = False
+    # Float8 weight shards kept from one optimizer step to the next (ours, float8.cast_weights_once).
+    kept_shards: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,20 +149,18 @@ def estimate(
 
 
 def estimate_for(
-    cfg: Config, args: LlamaArgs, device_type: str, dp: int, tp: int, param_dtype: str, vocab_sharded_logits: bool
+    cfg: Config, args: LlamaArgs, device_type: str, dp: int, tp: int, param_dtype: str, vocab_sharded_logits: bool,
+    float8: Float8Memory,
 ) -> MemoryEstimate:
     """The estimate for this config; param_dtype is the resolved one ('bfloat16' or 'float32'),
-    vocab_sharded_logits whether TP keeps the logits sharded (loss parallel)."""
+    vocab_sharded_logits whether TP keeps the logits sharded (loss parallel), float8 the seam's answer."""
     t = cfg.training
     param_bytes = 4 if param_dtype == "float32" else 2
     return estimate(
         args, batch_size=t.batch_size, seq_len=t.seq_len, ac_mode=cfg.activation_checkpoint.mode,
-        float8=cfg.float8.enabled, param_bytes=param_bytes, dp=dp, tp=tp,
+        float8=float8.linears, param_bytes=param_bytes, dp=dp, tp=tp,
         packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type, attention_kernel=args.attention,
-        loss_parallel=vocab_sharded_logits,
-        # Our package keeps them (float8.cast_weights_once); torchao casts at each all-gather.
-        kept_float8_shards=cfg.float8.enabled and cfg.float8.impl == "ours" and cfg.float8.fsdp_float8_all_gather
-        and cfg.float8.cast_weights_once and RECIPES[cfg.float8.scaling].weight_gatherable_in_float8,
+        loss_parallel=vocab_sharded_logits, kept_float8_shards=float8.kept_shards,
     )
 
 
@@ -194,13 +201,13 @@ def fit_error(est: MemoryEstimate, what: str, capacity_bytes: float) -> str | No
 
 def check_plan(
     cfg: Config, args: LlamaArgs, device: torch.device, dp: int, tp: int, param_dtype: str,
-    vocab_sharded_logits: bool, refuse: bool = True,
+    vocab_sharded_logits: bool, float8: Float8Memory, refuse: bool = True,
 ) -> tuple[MemoryEstimate, str | None]:
     """The estimate for this config on this device, and the refusal when it cannot fit.
 
     With refuse (the default) the refusal is raised as a UserError; otherwise it is returned.
     """
-    est = estimate_for(cfg, args, device.type, dp, tp, param_dtype, vocab_sharded_logits)
+    est = estimate_for(cfg, args, device.type, dp, tp, param_dtype, vocab_sharded_logits, float8)
     error = fit_error(est, *capacity(device))
     if error and refuse:
         raise UserError(error)

@@ -1,8 +1,8 @@
 """`[float8] impl = "torchao"`: the trainer's float8 seam on the reference library, torchao.float8.
 
-`Float8Training.from_config` (trainer/float8_training.py) returns a `TorchaoFloat8Training` for
-impl = "torchao": the seam's methods, doing with torchao what the trainer does with ours, so
-one trainer, data, layout and compile mode run either implementation. torchao is imported
+`build_seam` (trainer/float8_seam/seam.py) returns a `TorchaoFloat8Training` for impl = "torchao":
+the seam's methods, doing with torchao what the trainer does with ours, so one trainer, data,
+layout and compile mode run either implementation. torchao is imported
 only here, inside functions, and only for impl = "torchao" (the optional `reference` extra):
 
     ours (float8/)                          torchao.float8
@@ -10,11 +10,11 @@ only here, inside functions, and only for impl = "torchao" (the optional `refere
     rowwise                                 Float8LinearConfig.from_recipe_name("rowwise")
     rowwise_gw_hp                           Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
     emulate                                 Float8LinearConfig.emulate (fp32 GEMMs of the float8 values)
-    filter_fqns, min_features, 16-aligned   module_filter_fn: float8.convert.rules_skip_reason
+    filter_fqns, min_features, 16-aligned   module_filter_fn: float8.convert.rules_skip
     precompute_float8_scales_for_fsdp       precompute_float8_dynamic_scale_for_fsdp
     float8.tp styles (tensorwise)           torchao.float8.float8_tensor_parallel styles
 
-`filter = "auto"` and `metrics.float8_stats_freq` are this package's alone: config/checks.py
+`filter = "auto"` and `metrics.float8_stats_freq` are this package's alone: options.py
 refuses them with impl = "torchao". scripts/float8_impls.py converts benchmark modules with these.
 """
 
@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from float8 import Float8Config, Float8ConversionReport
-from float8.convert import rules_skip_reason
-from float8.gemm import scaled_mm_supported
-from float8.health import HealthReport
-from float8.recipe import RECIPES
+from float8.convert import rules_skip
 from trainer.config import Float8TrainingConfig
 from trainer.distributed.parallelize import PLAIN_TP_STYLES, TPStyles
 from trainer.errors import UserError
+from trainer.float8_seam.rules import Float8Rules, Float8RunContext
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -78,34 +76,17 @@ def torchao_config(scaling: str, fsdp_float8_all_gather: bool = False, emulate: 
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
 
 
-class RunContext(Protocol):
-    """What this seam reads of trainer.float8_training.Float8RunContext (that module imports this one)."""
+class TorchaoFloat8Training(Float8Rules):
+    """Float8 training of a run's linears by torchao.float8."""
 
-    @property
-    def device_type(self) -> str: ...
-    @property
-    def compile_mode(self) -> str: ...
-    @property
-    def float8_tensor_parallel(self) -> bool: ...
+    impl_label = "torchao"
+    emulate_note = "float8.emulate = true: torchao's float8 rounding with fp32 GEMMs, slower than bf16; for testing only"
 
-
-class TorchaoFloat8Training:
-    """Float8 training of a run's linears by torchao.float8, with `Float8Training`'s methods."""
-
-    # filter = "auto" is refused with torchao (config/checks.py), so nothing is ever timed.
-    filter_note: str | None = None
-
-    def __init__(self, f8: Float8TrainingConfig, run: RunContext) -> None:
-        self.f8 = f8
-        self.run = run
+    def __init__(self, f8: Float8TrainingConfig, run: Float8RunContext) -> None:
+        super().__init__(f8, run)
         self.version = torchao_version(TRAINER_OPTION)
-        self.recipe_name: str | None = f8.scaling
-        self.recipe = RECIPES[f8.scaling]
-        # As float8_training.float8_config: other recipes gather high-precision weights (the advice says so).
-        self.all_gather = f8.fsdp_float8_all_gather and self.recipe.weight_gatherable_in_float8
         # Our conversion rules pick torchao's linears too, so both implementations convert the same ones.
         self.rules = Float8Config(filter_fqns=list(f8.filter_fqns), min_features=f8.min_features)
-        self.report: Float8ConversionReport | None = None
 
     def convert(self, model: nn.Module, time_linears: bool = True) -> Float8ConversionReport:
         """Swap the linears our rules convert for torchao's Float8Linear, on the meta model; the
@@ -117,24 +98,21 @@ class TorchaoFloat8Training:
             for name, child in parent.named_children():
                 if isinstance(child, nn.Linear):
                     fqn = f"{parent_fqn}.{name}" if parent_fqn else name
-                    reason = rules_skip_reason(fqn, child, self.rules)
-                    if reason is None:
+                    skip = rules_skip(fqn, child, self.rules)
+                    if skip is None:
                         report.converted.append(fqn)
                     else:
-                        report.skipped.append((fqn, reason))
+                        report.skip(fqn, *skip)
         converted = set(report.converted)
         config = torchao_config(self.f8.scaling, self.all_gather, self.f8.emulate)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn in converted)
         self.report = report
         return report
 
-    def _wants_float8_tp(self) -> bool:
-        return self.recipe.activations_gatherable_in_float8 and self.run.float8_tensor_parallel
-
     def tp_styles(self) -> TPStyles:
         """torchao's float8 styles where ours would use float8 ones (tensorwise) on CUDA, else torch's
         plain ones: torchao all-gathers float8 dtypes, which gloo cannot ("Invalid scalar type")."""
-        if not (self._wants_float8_tp() and self.run.device_type == "cuda"):
+        if not (self.wants_float8_tp() and self.run.device_type == "cuda"):
             return PLAIN_TP_STYLES
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
@@ -153,47 +131,24 @@ class TorchaoFloat8Training:
 
             precompute_float8_dynamic_scale_for_fsdp(model)
 
-    def arm_health(self, model: nn.Module, step: int, device: torch.device) -> None:
-        return None  # metrics.float8_stats_freq is refused with torchao
+    def eager_note(self, device: torch.device) -> str:
+        return ("float8.impl = 'torchao' with compile.mode = 'none': torchao's eager float8 runs each cast as "
+                "separate kernels (about half bf16's speed, docs/float8.md); set compile.mode = 'block'")
 
-    def read_health(self) -> HealthReport:
-        return HealthReport({}, [])
-
-    def advice(self, device: torch.device, dp_degree: int, tp_degree: int) -> list[str]:
-        """The warnings for this run; raises UserError for a recipe this device cannot run."""
-        self._refuse_unrunnable(device)
+    def device_notes(self, device: torch.device, tp_degree: int) -> list[str]:
         notes = []
-        if self.f8.emulate:
-            notes.append("float8.emulate = true: torchao's float8 rounding with fp32 GEMMs, slower than bf16; for testing only")
-        if self.run.compile_mode == "none":
-            notes.append("float8.impl = 'torchao' with compile.mode = 'none': torchao's eager float8 runs each cast as "
-                         "separate kernels (about half bf16's speed, docs/float8.md); set compile.mode = 'block'")
         if device.type == "cpu" and not self.f8.emulate and torch.cpu._is_amx_tile_supported():
             notes.append("float8.impl = 'torchao' on a CPU with AMX: torch._scaled_mm runs oneDNN's reference float8 "
                          "kernel there, about 1,000x slower than ATen's (docs/float8.md, 'On CPU')")
-        if tp_degree > 1 and self._wants_float8_tp() and device.type != "cuda":
+        if tp_degree > 1 and self.wants_float8_tp() and device.type != "cuda":
             notes.append(f"float8.impl = 'torchao' on {device.type}: torchao's float8 tensor-parallel styles "
                          "all-gather float8 dtypes, which gloo cannot; activations are all-gathered in high "
                          "precision instead")
-        if self.f8.fsdp_float8_all_gather and not self.all_gather:
-            notes.append(f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{self.f8.scaling}' "
-                         "(weights are all-gathered in bf16); use scaling = 'tensorwise' or set it false")
-        if self.recipe.weight_gatherable_in_float8 and not self.all_gather and dp_degree > 1:
-            notes.append(f"float8 {self.f8.scaling} without float8.fsdp_float8_all_gather: FSDP all-gathers bf16 "
-                         "weights; set float8.fsdp_float8_all_gather = true to halve that traffic")
         return notes
 
-    def _refuse_unrunnable(self, device: torch.device) -> None:
-        if self.f8.emulate:
-            return
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            raise UserError(f"{TRAINER_OPTION} needs float8 GEMMs (compute capability >= 8.9: H100/H200/L40/RTX "
-                            "4090); set float8.emulate = true to test, or float8.enabled = false")
-        rowwise = self.recipe.rowwise_gemms
-        if device.type == "cpu" and not scaled_mm_supported(rowwise, "cpu"):
-            raise UserError(f"float8.scaling = '{self.f8.scaling}' needs {'row-wise' if rowwise else 'per-tensor'} "
-                            f"scaled float8 GEMMs, which torch {torch.__version__} does not run on this CPU; set "
-                            "float8.emulate = true to test here")
+    def cuda_refusal(self, device: torch.device) -> str:
+        return (f"{TRAINER_OPTION} needs float8 GEMMs (compute capability >= 8.9: H100/H200/L40/RTX "
+                "4090); set float8.emulate = true to test, or float8.enabled = false")
 
     def describe(self, params: str) -> str:
         """The precision of the run, for the startup summary."""
