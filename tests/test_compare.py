@@ -509,24 +509,26 @@ def test_ours_and_torchao_side_by_side_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_failed_cell_is_recorded_and_others_run(tmp_path):
-    # An unknown compile backend breaks only the compiled cell; eager never reads it. Two processes,
-    # so the reason must come from the worker's traceback, not torchrun's summary after it.
+    # A backend of torch's that fails on every compiled block breaks only the compiled cell; eager
+    # never reads it. Two processes, so the reason must come from the worker's traceback, not
+    # torchrun's summary after it.
     out = tmp_path / "cmp"
     result = _run_script(["--config", "configs/debug.toml", "--nproc", "2", "--steps", "2", "--precisions", "bf16",
                           "--compile", "block,none", "--out", str(out), "--", *TINY,
-                          "--compile.backend", "no_such_backend"])
+                          "--compile.backend", "non_leaf_compile_error_TESTING_ONLY"])
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((out / "comparison.json").read_text())
     by = {c["name"]: c for c in report["cells"]}
     assert not by["bf16-block"]["ok"] and by["bf16-block"]["returncode"] != 0
-    assert by["bf16-block"]["reason"].startswith("error: unexpected InvalidBackend: Invalid backend: 'no_such_backend'")
+    assert by["bf16-block"]["reason"].startswith(
+        "error: unexpected BackendCompilerFailed: backend='non_leaf_compile_error_TESTING_ONLY'")
     assert "torch.distributed.run --standalone --nproc_per_node=2" in by["bf16-none"]["command"]
     assert report["failures"] == {"bf16-block": by["bf16-block"]["reason"]}
     assert by["bf16-none"]["ok"] and by["bf16-none"]["speedup_vs_bf16_eager"] == 1.0
     md = (out / "comparison.md").read_text()
     assert "| bf16 | block | failed |" in md and "bf16-block: " in md
     assert "FAILED" in result.stdout
-    assert Path(by["bf16-block"]["log"]).read_text().count("no_such_backend") >= 1
+    assert Path(by["bf16-block"]["log"]).read_text().count("non_leaf_compile_error_TESTING_ONLY") >= 1
 
 
 @pytest.mark.slow

@@ -510,7 +510,7 @@ TABLE: dict[str, Case] = {
     "Ctrl-C in a script": Case(130, r"^error: interrupted \(Ctrl-C\)$", command(ctrl_c)),
     "compile.backend typo": Case(
         2, r"^error: compile\.backend = 'inductr' is not a torch\.compile backend \(did you mean 'inductor'\?\)",
-        call(lambda t: train_config("--compile.backend", "inductr"))),
+        call(lambda t: train_config("--compile.mode", "block", "--compile.backend", "inductr"))),
     "dump folder is the current folder": Case(
         2, r"^error: job\.dump_folder '.*' is the current folder or holds it: a fresh run moves config\.toml",
         in_process(lambda t: [*SMALL, "--training.steps", "1", "--job.dump_folder", str(Path.cwd())])),

@@ -21,6 +21,7 @@ def install_thread_excepthook() -> None:
         name = hook_args.thread.name if hook_args.thread is not None else "a thread"
         _thread_failures.append((name, hook_args.exc_value))
 
+    _thread_failures.clear()  # a thread that died before belongs to no command of this process
     threading.excepthook = keep
 
 
@@ -32,5 +33,6 @@ def raise_thread_failure() -> None:
     """Raise the first exception that ended a background thread, if any did."""
     if _thread_failures:
         name, error = _thread_failures[0]
+        _thread_failures.clear()  # reported once: the next command of this process starts clean
         lines = str(error).strip().splitlines()
         raise ThreadFailure(f"in thread {name}: {type(error).__name__}: {lines[0] if lines else ''}") from error

@@ -86,7 +86,8 @@ def validate(cfg: Config) -> None:
     if cfg.profiling.enable and past:
         raise UserError(f"profiling.steps {past} lie past training.steps = {cfg.training.steps}: they would never "
                         "be traced; pick steps of the run")
-    _check_compile_backend(cfg.compile.backend)
+    if cfg.compile.mode != "none":  # uncompiled, the backend is never read (notes() says so)
+        _check_compile_backend(cfg.compile.backend)
     if problem := unsupported_option(cfg.float8, cfg.metrics.float8_stats_freq):
         raise UserError(problem)
 
