@@ -107,6 +107,31 @@ def _run_train_forked(args: list[str], timeout: int, env: dict[str, str]) -> sub
         return subprocess.CompletedProcess(cmd, child.exitcode, out.read(), err.read())
 
 
+def train_in_process(cfg):
+    """Train `cfg` in this process as train.py would, and return the Trainer; the signal handlers
+    and torchrun's environment (RANK, MASTER_PORT, ...) the run installs are put back after it, so
+    later tests and train.py subprocesses do not inherit them."""
+    import signal
+
+    from trainer import run_folder
+    from trainer.distributed import process_group
+    from trainer.trainer import Trainer
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    environment = dict(os.environ)
+    try:
+        with run_folder.claim(cfg.job.dump_folder):
+            trainer = Trainer(cfg)
+            trainer.train()
+    finally:
+        process_group.shutdown(clean=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        os.environ.clear()
+        os.environ.update(environment)
+    return trainer
+
+
 def write_lock(folder: Path, pid: int) -> Path:
     """A run-folder lock as a run of process `pid` on this host writes it."""
     from trainer.errors import process_start_time

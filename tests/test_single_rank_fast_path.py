@@ -3,13 +3,10 @@ without them, the switch decides whether they are applied, and untested torch ve
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 import torch
 
-from tests.helpers import read_metrics
+from tests.helpers import read_metrics, train_in_process
 from trainer.distributed.single_rank_fast_path import TESTED_TORCH, choose_fast_path, torch_minor
 
 pytestmark = pytest.mark.version_specific
@@ -18,10 +15,7 @@ pytestmark = pytest.mark.version_specific
 def _train(dump, fast_path: bool) -> tuple[list[dict], list[bool]]:
     """The debug model (2 layers), float8 tensorwise with float8 all-gathers, 3 steps in this process (a gloo
     world of 1): the metrics, and for each FSDP group whether it has the one-rank unshard."""
-    from trainer import run_folder
     from trainer.config import build_config
-    from trainer.distributed import process_group
-    from trainer.trainer import Trainer
 
     cfg = build_config([
         "--config", "configs/debug.toml", "--job.dump_folder", str(dump), "--training.steps", "3",
@@ -30,19 +24,7 @@ def _train(dump, fast_path: bool) -> tuple[list[dict], list[bool]]:
         "--metrics.enable_tensorboard", "false", "--float8.enabled", "true",
         "--float8.fsdp_float8_all_gather", "true", "--parallelism.single_rank_fast_path", str(fast_path).lower(),
     ])
-    # A run installs its signal handlers and torchrun's environment (RANK, MASTER_PORT, ...).
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    environment = dict(os.environ)
-    try:
-        with run_folder.claim(cfg.job.dump_folder):
-            trainer = Trainer(cfg)
-            trainer.train()
-    finally:
-        process_group.shutdown(clean=True)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        os.environ.clear()
-        os.environ.update(environment)
+    trainer = train_in_process(cfg)
     from torch.distributed.fsdp import FSDPModule
 
     groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules() if isinstance(m, FSDPModule)]

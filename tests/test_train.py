@@ -2,11 +2,10 @@
 
 import json
 import math
-import os
 
 import pytest
 
-from tests.helpers import read_metrics, run_train
+from tests.helpers import read_metrics, run_train, train_in_process
 from trainer.metrics.logger import METRIC_KEYS
 from trainer.precision import resolve_param_precision
 
@@ -106,30 +105,14 @@ def test_missing_text_field_names_file_and_line(tmp_path):
 def test_the_config_is_read_never_written(tmp_path):
     """A run leaves its Config as loaded; config.toml records what was in force (the resolved dtype)."""
     import copy
-    import signal
 
-    from trainer import run_folder
     from trainer.config import build_config, load_toml
-    from trainer.distributed import process_group
-    from trainer.trainer import Trainer
 
     dump = tmp_path / "run"
     cfg = build_config(["--job.dump_folder", str(dump), "--training.steps", "2", "--training.seq_len", "32",
                         "--model.n_layers", "1", "--metrics.enable_tensorboard", "false"])
     loaded = copy.deepcopy(cfg)
-    # The run installs its own signal handlers and, run directly, torchrun's environment
-    # (MASTER_PORT, ...), which later train.py subprocesses would inherit.
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    environment = dict(os.environ)
-    try:
-        with run_folder.claim(cfg.job.dump_folder):
-            Trainer(cfg).train()
-    finally:
-        process_group.shutdown(clean=True)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        os.environ.clear()
-        os.environ.update(environment)
+    train_in_process(cfg)
     assert cfg == loaded and cfg.training.mixed_precision_param == "auto"
     in_force = load_toml(str(dump / "config.toml"))
     assert in_force["training"]["mixed_precision_param"] == resolve_param_precision("auto", "cpu").dtype
