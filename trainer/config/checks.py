@@ -32,26 +32,7 @@ def _check_choices(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Checks that need no process group: choices, counts, combinations."""
     _check_choices(cfg)
-    positive = [
-        ("training", "batch_size"), ("training", "seq_len"), ("training", "steps"),
-        ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
-        ("checkpoint", "interval"), ("parallelism", "tensor_parallel_degree"),
-        ("validation", "freq"),
-    ]
-    for section, key in positive:
-        value = getattr(getattr(cfg, section), key)
-        if value <= 0:
-            raise UserError(f"{section}.{key} must be positive, got {value}")
-    non_negative = [
-        ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
-        ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("validation", "steps"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
-        ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
-        ("job", "dry_run_world_size"),
-    ]
-    for section, key in non_negative:
-        value = getattr(getattr(cfg, section), key)
-        if value < 0:
-            raise UserError(f"{section}.{key} must be >= 0, got {value}")
+    _check_signs(cfg)
     # An empty value is most often an unset shell variable; none of these has a meaning when empty.
     for section, key in (("job", "dump_folder"), ("model", "tokenizer_path"), ("data", "path"), ("checkpoint", "folder")):
         if not getattr(getattr(cfg, section), key).strip():
@@ -90,6 +71,29 @@ def validate(cfg: Config) -> None:
         _check_compile_backend(cfg.compile.backend)
     if problem := unsupported_option(cfg.float8, cfg.metrics.float8_stats_freq):
         raise UserError(problem)
+
+
+def _check_signs(cfg: Config) -> None:
+    positive = [
+        ("training", "batch_size"), ("training", "seq_len"), ("training", "steps"),
+        ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
+        ("checkpoint", "interval"), ("parallelism", "tensor_parallel_degree"),
+        ("validation", "freq"),
+    ]
+    for section, key in positive:
+        value = getattr(getattr(cfg, section), key)
+        if value <= 0:
+            raise UserError(f"{section}.{key} must be positive, got {value}")
+    non_negative = [
+        ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
+        ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("validation", "steps"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
+        ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
+        ("job", "dry_run_world_size"),
+    ]
+    for section, key in non_negative:
+        value = getattr(getattr(cfg, section), key)
+        if value < 0:
+            raise UserError(f"{section}.{key} must be >= 0, got {value}")
 
 
 def _check_compile_backend(backend: str) -> None:
