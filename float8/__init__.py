@@ -9,8 +9,8 @@ read-only; torchao.float8's names are accepted for them) passed as `Float8Config
 `Float8Config` is frozen. Importing or using the package changes no global torch setting;
 `raise_dynamo_recompile_limit` is for the caller to apply. `AutoFilter` is a
 `module_filter_fn` that converts only the linears whose float8 forward + backward timed faster
-than bf16's. float8/examples/train_loop.py is a whole training loop with it; docs/float8.md,
-"float8/ as a library".
+than bf16's. float8/examples/train_loop.py is a whole training loop with it; docs/float8/library.md
+documents the package on its own.
 
 The public API is `__all__` below, plus `float8.health` (per-cast statistics of the float8
 linears during training). Every other module (scaling, operands, gemm, linear's autograd

@@ -21,7 +21,7 @@ class Float8Config:
         gradients), "rowwise" (one power-of-two scale per row along each GEMM's contraction
         dim; all e4m3), "rowwise_gw_hp" (rowwise, but the weight gradient GEMM stays in high
         precision). torchao.float8's names for the first two (strings or its
-        `Float8LinearRecipeName` members) are accepted too. docs/float8.md tabulates every cast.
+        `Float8LinearRecipeName` members) are accepted too. docs/float8/library.md tabulates every cast.
         `recipe` is the resolved `Float8Recipe`.
     emulate: float8 rounding with high-precision GEMMs, for hardware without float8 GEMMs.
     fsdp_float8_all_gather: FSDP2 all-gathers weights as float8 (tensorwise only).

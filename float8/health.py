@@ -238,7 +238,7 @@ class Float8HealthMonitor:
                     shown = f"{value:.2e} {what} ({count:.2%} of its non-zero values)"
                     limit_shown = f"{limit:g} of the squared norm"
                 found.append(f"float8 health: {name} {operand}: {shown} (warning threshold "
-                             f"{limit_shown}; docs/float8.md, 'Is float8 hurting my loss?')")
+                             f"{limit_shown}; docs/float8/trainer.md, 'Is float8 hurting my loss?')")
         return found
 
 

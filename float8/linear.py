@@ -64,7 +64,7 @@ class _Float8Matmul(torch.autograd.Function):
 
     Under activation checkpointing the casts are recomputed with the rest of the block
     (selective AC keeps the GEMM outputs and amaxes); compiled under torch 2.11, only a
-    checkpoint with a `context_fn` tags this function's ops for recompute (docs/float8.md,
+    checkpoint with a `context_fn` tags this function's ops for recompute (docs/float8/background.md,
     "Interplay with activation checkpointing").
     """
 

@@ -141,7 +141,7 @@ RECIPES: Mapping[str, Float8Recipe] = types.MappingProxyType({r.name: r for r in
 _TORCHAO_ONLY = {
     "rowwise_with_gw_hp": "torchao's rowwise_with_gw_hp is not a recipe of this package (our rowwise_gw_hp "
     "casts grad_input's weight per row, torchao's per tensor): pass 'rowwise_gw_hp', or build torchao's "
-    "casts as a Float8Recipe (docs/float8.md, 'float8/ as a library')",
+    "casts as a Float8Recipe (docs/float8/library.md)",
 }
 
 

@@ -93,7 +93,7 @@ def cast_tensorwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One dynamic scale for the whole tensor: (float8 data, 0-dim fp32 scale)."""
     # abs().max() rather than amax(): selective activation checkpointing policies (a
-    # caller's, docs/float8.md) key on aten.max to keep these reductions saved.
+    # caller's, docs/float8/background.md) key on aten.max to keep these reductions saved.
     scale = amax_to_scale(x.abs().max(), float8_dtype, pow2)
     return cast_with_scale(x, scale, float8_dtype), scale
 

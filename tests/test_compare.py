@@ -484,7 +484,7 @@ def test_reduced_comparison_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_ours_and_torchao_side_by_side_on_cpu(tmp_path):
     # Emulated GEMMs (float8.emulate, torchao's own too): on CPUs with AMX torchao's torch._scaled_mm
-    # takes seconds per GEMM (docs/float8.md, "On CPU"); the casts, scales and cells are real.
+    # takes seconds per GEMM (docs/float8/library.md, "On CPU"); the casts, scales and cells are real.
     pytest.importorskip("torchao.float8")
     out = tmp_path / "cmp"
     result = _run_script(["--config", "configs/debug.toml", "--steps", "3", "--precisions", "bf16,tensorwise",

@@ -107,7 +107,7 @@ def test_auto_filter_timer_keeps_a_tiny_linear(compiled):
 def test_auto_filter_timer_converts_a_large_compiled_linear():
     """4096->11008 (LLaMA-2-7B's w1) at 8192 tokens is GEMM-bound: compiled, float8 wins on an
     H100/H200 (H200, torch 2.11: float8 1.88 ms, bf16 2.77 ms; eager with the Triton casts 2.35
-    against 2.95, docs/float8.md, "Which linears to convert")."""
+    against 2.95, docs/float8/trainer.md, "Which linears to convert")."""
     from float8.autofilter import time_linear_shapes
 
     shape = (4096, 11008)

@@ -117,7 +117,7 @@ def test_warnings_fire_on_the_norm_share_once_per_layer_and_operand(monkeypatch)
         warnings += monitor.collect().warnings
     assert warnings == ["float8 health: 0 input: 1.04e-18 of its squared norm flushed to zero by the float8 cast "
                         "(5.08% of its non-zero values) (warning threshold 1e-19 of the squared norm; "
-                        "docs/float8.md, 'Is float8 hurting my loss?')"]
+                        "docs/float8/trainer.md, 'Is float8 hurting my loss?')"]
 
 
 @pytest.mark.slow

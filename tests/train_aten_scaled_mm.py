@@ -2,7 +2,7 @@
 
 Launched in place of train.py by ``run_train(..., script="tests/train_aten_scaled_mm.py")``.
 torchao's float8 linears call `torch._scaled_mm`, which on CPUs with AMX goes to oneDNN's
-reference float8 kernel (about 1,000x slower, docs/float8.md "On CPU"): a 2-layer test
+reference float8 kernel (about 1,000x slower, docs/float8/library.md "On CPU"): a 2-layer test
 step takes seconds per GEMM there. This routes it to `float8.gemm.scaled_mm_cpu`, the
 formula our float8 package uses on every CPU, so torchao's casts, scales, FSDP all-gather
 and TP styles run as they are and only the GEMM kernel is ATen's.

@@ -97,7 +97,7 @@ class ModelConfig:
 
 @_section
 class Float8TrainingConfig:
-    """Float8 training of the linear layers (see docs/float8.md)."""
+    """Float8 training of the linear layers (see docs/float8/trainer.md)."""
 
     # Same names and defaults as float8.Float8Config (tests/test_float8_training.py checks),
     # without importing torch here: a bad config is refused before torch loads.
@@ -127,7 +127,7 @@ class Float8TrainingConfig:
     eager_casts: Float8EagerCasts = _opt(
         "auto", "How float8 casts run outside torch.compile: triton (one kernel per cast; CUDA), compiled "
                 "(torch.compile'd casts), plain (eager ops), or auto (triton on CUDA where Triton imports, else "
-                "compiled on CUDA, plain on CPU). docs/float8.md."
+                "compiled on CUDA, plain on CPU). docs/float8/library.md, 'Global settings'."
     )
     impl: Float8Impl = _opt(
         "ours",
@@ -302,7 +302,7 @@ class MetricsConfig:
     wandb_project: str = _opt("f8trainer", "W&B project of the run (with enable_wandb).")
     float8_stats_freq: int = _opt(
         0, "Every N steps, log float8 health per float8 linear and operand (amax, scale, underflow, saturation "
-           "and the shares of the squared norm they hold, amax growth) under float8/ (0 = off; ignored without float8). docs/float8.md, 'Is float8 hurting my loss?'."
+           "and the shares of the squared norm they hold, amax growth) under float8/ (0 = off; ignored without float8). docs/float8/trainer.md, 'Is float8 hurting my loss?'."
     )
 
 

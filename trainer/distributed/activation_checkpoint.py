@@ -13,7 +13,7 @@ from torch import nn
 def _selective_policy():
     """Save GEMM, attention and reduce-scatter outputs and amaxes; recompute everything else.
 
-    No GEMM is ever recomputed; float8 casts are (from their saved amax). docs/float8.md
+    No GEMM is ever recomputed; float8 casts are (from their saved amax). docs/float8/background.md
     lists what this keeps per block, eager and compiled.
     """
     from torch.utils.checkpoint import CheckpointPolicy

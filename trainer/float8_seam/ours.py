@@ -72,11 +72,11 @@ def _eager_note(eager_casts: str) -> str:
     """What compile.mode = 'none' costs a float8 run whose casts run on the `eager_casts` backend."""
     if eager_casts == "triton":
         return ("float8.enabled with compile.mode = 'none': eager float8 with the Triton cast kernels beats eager "
-                "bf16, and compiled blocks are faster still (docs/benchmarks.md, table 'Eager float8 with Triton "
-                "cast kernels, one H200'); set compile.mode = 'block' for the full speed-up")
+                "bf16, and compiled blocks are faster still (docs/benchmarks.md, table 'Eager float8 by cast "
+                "backend, one H200'); set compile.mode = 'block' for the full speed-up")
     return ("float8.enabled with compile.mode = 'none': without Triton (float8/kernels) eager float8 runs its casts "
-            "as separate kernels and gains little or nothing over bf16 (docs/benchmarks.md, table 'Full LLaMA-2-7B, "
-            "FSDP2 on 2 H200s'); set compile.mode = 'block'")
+            "as separate kernels and gains little or nothing over bf16 (docs/benchmarks.md, table 'Eager float8 by "
+            "cast backend, one H200', its compiled-casts column); set compile.mode = 'block'")
 
 
 class OursFloat8Training(Float8Rules):

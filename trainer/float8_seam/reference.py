@@ -133,13 +133,13 @@ class TorchaoFloat8Training(Float8Rules):
 
     def eager_note(self, device: torch.device) -> str:
         return ("float8.impl = 'torchao' with compile.mode = 'none': torchao's eager float8 runs each cast as "
-                "separate kernels (about half bf16's speed, docs/float8.md); set compile.mode = 'block'")
+                "separate kernels (about half bf16's speed, docs/float8/background.md); set compile.mode = 'block'")
 
     def device_notes(self, device: torch.device, tp_degree: int) -> list[str]:
         notes = []
         if device.type == "cpu" and not self.f8.emulate and torch.cpu._is_amx_tile_supported():
             notes.append("float8.impl = 'torchao' on a CPU with AMX: torch._scaled_mm runs oneDNN's reference float8 "
-                         "kernel there, about 1,000x slower than ATen's (docs/float8.md, 'On CPU')")
+                         "kernel there, about 1,000x slower than ATen's (docs/float8/library.md, 'On CPU')")
         if tp_degree > 1 and self.wants_float8_tp() and device.type != "cuda":
             notes.append(f"float8.impl = 'torchao' on {device.type}: torchao's float8 tensor-parallel styles "
                          "all-gather float8 dtypes, which gloo cannot; activations are all-gathered in high "
