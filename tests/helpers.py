@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,14 +24,20 @@ def free_port() -> int:
 
 
 def run_train(
-    args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, script: str = "train.py"
+    args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, script: str = "train.py",
+    launcher: str = "fork",
 ) -> subprocess.CompletedProcess:
-    """`script` (train.py, or a test wrapper of it) with `args`, under torchrun when nproc > 1."""
+    """`script` (train.py, or a test wrapper of it) with `args` in `nproc` processes.
+
+    train.py's ranks are forked from a server that has imported torch and the trainer, with
+    torchrun's environment, unless `launcher` is "torchrun" (for tests of torchrun's own
+    behaviour) or the environment differs from the server's in a variable read at import time.
+    """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env.pop("RANK", None)
-    full_env.pop("WORLD_SIZE", None)
-    if nproc == 1 and script == "train.py" and _forkable(full_env):
-        return _run_train_forked(args, timeout, full_env)
+    for name in _LAUNCH_ENV:
+        full_env.pop(name, None)
+    if launcher == "fork" and script == "train.py" and _forkable(full_env):
+        return _run_train_forked(args, nproc, timeout, full_env)
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
@@ -39,13 +48,18 @@ def run_train(
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-# A one-process train.py run is forked from a server process that has imported torch and the
-# trainer once per test worker, instead of a new interpreter paying ~2-5 s of imports per run on
-# 2 cores. The server never runs a test or a torch op, so each fork starts as clean as a new
-# process; runs whose environment differs from the server's (variables read at import time)
-# and multi-process runs take a real subprocess.
-_IMPORT_TIME_ENV_IGNORED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE"}
+# train.py runs are forked from a server process that has imported torch and the trainer once
+# per test worker, instead of new interpreters (torchrun's agent and each rank) paying ~5-8 s of
+# imports each on 2 cores. The server never runs a test or a torch op, so each fork starts as
+# clean as a new process; runs whose environment differs from the server's (variables read at
+# import time) take real processes. Ranks get the environment torchrun gives its workers, and,
+# as under torchrun, the first rank to fail brings the others down.
+_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+_IMPORT_TIME_ENV_IGNORED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", *_LAUNCH_ENV}
 _forkserver_env: dict[str, str] | None = None
+# How long the other ranks get to stop on SIGTERM after one failed, as torchrun's agent gives them.
+_STOP_GRACE_S = 30
 
 
 def _forkserver() -> multiprocessing.context.BaseContext:
@@ -70,7 +84,7 @@ def _train_main_in_fork(args: list[str], env: dict[str, str], stdout: str, stder
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, stdout), (2, stderr)):
-        target = os.open(path, os.O_WRONLY)
+        target = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout.reconfigure(write_through=True)
@@ -93,18 +107,48 @@ def _train_main_in_fork(args: list[str], env: dict[str, str], stdout: str, stder
     os._exit(code)
 
 
-def _run_train_forked(args: list[str], timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _rank_env(env: dict[str, str], rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+    if nproc == 1:
+        return env
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def _run_train_forked(args: list[str], nproc: int, timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
     context = _forkserver()
+    port, run_id = free_port(), uuid.uuid4().hex
+    cmd = [sys.executable, "train.py", *args]
     with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:
-        child = context.Process(target=_train_main_in_fork, args=(args, env, out.name, err.name))
-        child.start()
-        child.join(timeout)
-        cmd = [sys.executable, "train.py", *args]
-        if child.is_alive():
-            child.kill()
-            child.join()
-            raise subprocess.TimeoutExpired(cmd, timeout, out.read(), err.read())
-        return subprocess.CompletedProcess(cmd, child.exitcode, out.read(), err.read())
+        ranks = [context.Process(target=_train_main_in_fork,
+                                 args=(args, _rank_env(env, rank, nproc, port, run_id), out.name, err.name))
+                 for rank in range(nproc)]
+        for rank in ranks:
+            rank.start()
+        deadline = time.monotonic() + timeout
+        failed = False
+        while any(r.is_alive() for r in ranks) and not failed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for rank in ranks:
+                    rank.kill()
+                    rank.join()
+                raise subprocess.TimeoutExpired(cmd, timeout, out.read(), err.read())
+            multiprocessing.connection.wait([r.sentinel for r in ranks if r.is_alive()], left)
+            failed = any(r.exitcode not in (None, 0) for r in ranks)
+        if failed:
+            for rank in ranks:
+                if rank.is_alive():
+                    rank.terminate()
+            for rank in ranks:
+                rank.join(_STOP_GRACE_S)
+                if rank.is_alive():
+                    rank.kill()
+                    rank.join()
+        codes = [r.exitcode for r in ranks]
+        code = next((c for c in codes if c != 0), 0) if nproc == 1 else int(any(codes))
+        return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
 def train_in_process(cfg):

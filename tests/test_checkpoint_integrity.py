@@ -149,7 +149,7 @@ def test_two_ranks_list_every_rank_s_files_and_stop_together_on_damage(tmp_path)
     step2 = dump / "checkpoints" / "step-2"
     assert sorted(checksums.read(step2))[1] == "__0_0.distcp"
     flip_bits(step2 / "__0_0.distcp", 49)
-    line = error_line(run_train([*args, "--training.steps", "3"], nproc=2), nproc=2)
+    line = error_line(run_train([*args, "--training.steps", "3"], nproc=2, launcher="torchrun"), nproc=2)
     assert line.startswith(f"error: checkpoint {step2}: __0_0.distcp does not match its checksum"), line
     assert line.endswith("checkpoint.load_step = 1 (older steps: 1)"), line
 

@@ -170,7 +170,8 @@ def test_2d_mesh_float8_all_gather_and_block_compile(losses):
 def test_invalid_layout_exits_2(tmp_path):
     # Every rank raises; the line appears once whichever rank exits first (forced orders:
     # tests/test_torchrun_errors.py). torchrun exits 1 when a worker fails (here with 2).
-    result = run_train(["--parallelism.tensor_parallel_degree", "4", "--job.dump_folder", str(tmp_path)], nproc=2)
+    result = run_train(["--parallelism.tensor_parallel_degree", "4", "--job.dump_folder", str(tmp_path)], nproc=2,
+                       launcher="torchrun")
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: parallelism.tensor_parallel_degree = 4 does not divide the world size 2"], result.stderr
