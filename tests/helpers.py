@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import socket
 import subprocess
@@ -57,25 +58,35 @@ def run_train(
 _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 _IMPORT_TIME_ENV_IGNORED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", *_LAUNCH_ENV}
-_forkserver_env: dict[str, str] | None = None
+# The environment before any test changed it (this module is imported at collection): the
+# server starts with it whichever test first needs it, so a variable one test sets does not
+# send every later run of the worker to real processes.
+_SERVER_ENV = dict(os.environ)
+_server_started = False
 # How long the other ranks get to stop on SIGTERM after one failed, as torchrun's agent gives them.
 _STOP_GRACE_S = 30
 
 
 def _forkserver() -> multiprocessing.context.BaseContext:
-    global _forkserver_env
+    global _server_started
     context = multiprocessing.get_context("forkserver")
-    if _forkserver_env is None:
+    if not _server_started:
         context.set_forkserver_preload(["torch", "train", "trainer.trainer", "trainer.dry_run"])
-        _forkserver_env = dict(os.environ)
+        test_env = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_SERVER_ENV)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(test_env)
+        _server_started = True
     return context
 
 
 def _forkable(env: dict[str, str]) -> bool:
-    if _forkserver_env is None:
-        return True
-    keys = (env.keys() | _forkserver_env.keys()) - _IMPORT_TIME_ENV_IGNORED
-    return all(env.get(k) == _forkserver_env.get(k) for k in keys)
+    keys = (env.keys() | _SERVER_ENV.keys()) - _IMPORT_TIME_ENV_IGNORED
+    return all(env.get(k) == _SERVER_ENV.get(k) for k in keys)
 
 
 def _train_main_in_fork(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
