@@ -22,6 +22,12 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", f"torch-{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}"
     )
 
+# Inductor compiles a process's kernels in a pool of fresh interpreters when it has 2+ cores:
+# each imports torch (5 s, and 20-40 s of reading the CUDA libraries under torch 2.11's CUDA
+# build) for a few 2 s compiler calls, on cores the other test worker needs. One thread
+# compiles them in the process itself.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 # Without a GPU, Triton kernels (float8/kernels) run in Triton's interpreter on CPU tensors.
 # Triton decides when it decorates, its own library functions too, so this must be set before
 # anything imports triton (torch._dynamo does; `import torch` does not).
