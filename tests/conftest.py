@@ -55,3 +55,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def _single_thread_env(monkeypatch):
     # Each test process (and its torchrun children) use few threads on the 2-core CI machine.
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+# The module-scoped `losses` fixture of tests/test_parallel*.py (each module makes its own runs).
+from tests.layout_runs import losses  # noqa: E402, F401

@@ -4,65 +4,13 @@ Every run starts from the same weights (rank 0 initialises on CPU and broadcasts
 reads the same sequences per step whatever the DP degree, so per-step losses must agree.
 """
 
-from collections.abc import Callable
-
 import pytest
 
-from tests.helpers import cpu_float8_emulated, read_metrics, run_train
+from tests.helpers import run_train
+from tests.layout_runs import FLOAT8, assert_close
 
 # Compiling blocks in 2-4 processes on 2 cores beside another worker's runs: 150-260 s seen.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-STEPS = 10
-BASE = [
-    "--model.n_layers", "2", "--training.seq_len", "64", "--training.steps", str(STEPS),
-    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-    "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1e-3",
-]
-
-
-Losses = list[tuple[float, float]]
-
-
-@pytest.fixture(scope="module")
-def losses(tmp_path_factory) -> Callable[..., Losses]:
-    """(loss, grad_norm) per step of a run: a gradient-scale bug shows in the grad norm at step 1.
-
-    Each distinct run is launched once per module: the one-process references (the same
-    arguments in several tests) are shared by every test that compares a layout against them.
-    """
-    runs: dict[tuple[tuple[str, ...], int], Losses] = {}
-
-    def run(args: list[str], nproc: int = 1) -> Losses:
-        key = (tuple(args), nproc)
-        if key not in runs:
-            dump = tmp_path_factory.mktemp("run")
-            result = run_train([*BASE, "--job.dump_folder", str(dump), *args], nproc=nproc)
-            assert result.returncode == 0, result.stderr[-3000:]
-            rows = read_metrics(dump)
-            assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-            runs[key] = [(r["loss"], r["grad_norm"]) for r in rows]
-        return runs[key]
-
-    return run
-
-
-def _assert_close(a: list[tuple[float, float]], b: list[tuple[float, float]], rtol: float, label: str) -> None:
-    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(a, b), start=1):
-        assert abs(loss_a - loss_b) <= rtol * abs(loss_a), f"{label}: step {step} loss {loss_a} vs {loss_b}"
-        # Clipping hides a scaled gradient from the loss, not from its norm, which at step 1
-        # (same weights, same data) must match as closely as the loss; later steps drift
-        # (float8 with TP's local scales: up to 7% by step 7 against one process).
-        norm_rtol = rtol if step == 1 else 10 * rtol
-        assert abs(norm_a - norm_b) <= norm_rtol * abs(norm_a), f"{label}: step {step} grad_norm {norm_a} vs {norm_b}"
-
-
-FLOAT8 = {
-    "bf16": [],
-    "tensorwise": ["--float8.enabled", "true", "--float8.scaling", "tensorwise"],
-    "rowwise": ["--float8.enabled", "true", "--float8.scaling", "rowwise",
-                "--float8.emulate", str(cpu_float8_emulated("rowwise")).lower()],
-}
 
 
 @pytest.mark.version_specific
@@ -73,8 +21,8 @@ def test_loss_parity_single_fsdp_tp(losses, precision):
     assert single[-1][0] < single[0][0] - 0.3, f"loss did not fall: {single}"
     fsdp = losses(["--training.batch_size", "4", *extra], nproc=2)
     tp = losses(["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2", *extra], nproc=2)
-    _assert_close(single, fsdp, 1e-2, f"{precision} FSDP=2 vs 1 process")
-    _assert_close(single, tp, 1e-2, f"{precision} TP=2 vs 1 process")
+    assert_close(single, fsdp, 1e-2, f"{precision} FSDP=2 vs 1 process")
+    assert_close(single, tp, 1e-2, f"{precision} TP=2 vs 1 process")
 
 
 @pytest.mark.version_specific
@@ -86,8 +34,8 @@ def test_loss_parallel_matches_replicated_logits(losses):
                       nproc=2)
     whole = losses(["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                                         "--parallelism.loss_parallel", "false"], nproc=2)
-    _assert_close(whole, sharded, 1e-3, "TP=2 loss parallel vs replicated logits")
-    _assert_close(single, sharded, 1e-2, "TP=2 loss parallel vs 1 process")
+    assert_close(whole, sharded, 1e-3, "TP=2 loss parallel vs replicated logits")
+    assert_close(single, sharded, 1e-2, "TP=2 loss parallel vs 1 process")
 
 
 @pytest.mark.version_specific
@@ -95,7 +43,7 @@ def test_fsdp_float8_all_gather_same_losses(losses):
     args = ["--training.batch_size", "4", *FLOAT8["tensorwise"]]
     off = losses([*args, "--float8.fsdp_float8_all_gather", "false"], nproc=2)
     on = losses([*args, "--float8.fsdp_float8_all_gather", "true"], nproc=2)
-    _assert_close(off, on, 1e-2, "float8 all-gather on vs off")
+    assert_close(off, on, 1e-2, "float8 all-gather on vs off")
 
 
 @pytest.mark.version_specific
@@ -114,57 +62,19 @@ def test_float8_weights_cast_once_per_step_changes_nothing(losses, layout):
 
 
 @pytest.mark.version_specific
-def test_compile_modes_same_losses(losses):
-    args = ["--training.batch_size", "8", "--model.n_layers", "1"]
-    eager = losses(args)
-    for mode in ("block", "model"):
-        compiled = losses([*args, "--compile.mode", mode])
-        _assert_close(eager, compiled, 1e-2, f"compile {mode} vs none")
-
-
-@pytest.mark.version_specific
 def test_activation_checkpoint_modes_same_losses(losses):
     args = ["--training.batch_size", "8"]
     none = losses(args)
     for mode, option in (("full", "op"), ("selective", "op"), ("selective", "2")):
         ac = losses([*args, "--activation_checkpoint.mode", mode,
                                                    "--activation_checkpoint.selective_option", option])
-        _assert_close(none, ac, 1e-3, f"AC {mode}/{option} vs none")
+        assert_close(none, ac, 1e-3, f"AC {mode}/{option} vs none")
 
 
 def test_gradient_accumulation_matches_larger_batch(losses):
     big = losses(["--training.batch_size", "8"])
     accum = losses(["--training.batch_size", "4", "--training.gradient_accumulation_steps", "2"])
-    _assert_close(big, accum, 1e-2, "accumulation 2x4 vs batch 8")
-
-
-@pytest.mark.version_specific
-@pytest.mark.parametrize("precision", ["bf16", "tensorwise"])
-def test_tensor_parallel_with_block_compile(losses, precision):
-    # Compiled blocks take the embedding's sequence-sharded output as input; its gradient
-    # must reach the embedding (torch 2.13 dropped it for a local-tensor input).
-    extra = FLOAT8[precision]
-    single = losses(["--training.batch_size", "8", *extra])
-    tp = losses(["--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
-                                  "--compile.mode", "block", *extra], nproc=2)
-    _assert_close(single, tp, 1e-2, f"{precision} TP=2 compiled per block vs 1 process eager")
-
-
-@pytest.mark.version_specific
-def test_2d_mesh_fsdp_x_tp(losses):
-    single = losses(["--training.batch_size", "8"])
-    mesh2d = losses(["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2"], nproc=4)
-    _assert_close(single, mesh2d, 1e-2, "FSDP=2 x TP=2 vs 1 process")
-
-
-@pytest.mark.version_specific
-def test_2d_mesh_float8_all_gather_and_block_compile(losses):
-    # Float8 TP styles, float8 FSDP all-gather and the post-step scale precompute on a 2-D mesh.
-    extra = [*FLOAT8["tensorwise"], "--float8.fsdp_float8_all_gather", "true"]
-    single = losses(["--training.batch_size", "8", *extra])
-    mesh2d = losses(["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
-                                      "--compile.mode", "block", *extra], nproc=4)
-    _assert_close(single, mesh2d, 1e-2, "float8 FSDP=2 x TP=2 compiled vs 1 process eager")
+    assert_close(big, accum, 1e-2, "accumulation 2x4 vs batch 8")
 
 
 def test_invalid_layout_exits_2(tmp_path):
