@@ -1,4 +1,4 @@
-"""Loss parity across layouts (1 process, FSDP=2, TP=2, FSDP x TP), precisions, compile and AC modes.
+"""Loss parity across layouts (1 process, FSDP=2, TP=2), precisions, AC modes and accumulation.
 
 Every run starts from the same weights (rank 0 initialises on CPU and broadcasts) and
 reads the same sequences per step whatever the DP degree, so per-step losses must agree.
@@ -9,7 +9,6 @@ import pytest
 from tests.helpers import run_train
 from tests.layout_runs import FLOAT8, assert_close
 
-# Compiling blocks in 2-4 processes on 2 cores beside another worker's runs: 150-260 s seen.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
