@@ -55,8 +55,15 @@ def run_train(
 # clean as a new process; runs whose environment differs from the server's (variables read at
 # import time) take real processes. Ranks get the environment torchrun gives its workers, and,
 # as under torchrun, the first rank to fail brings the others down.
-_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+def _torchrun_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+    """What torchrun tells worker `rank` of a one-host launch of `nproc`."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+_LAUNCH_ENV = tuple(_torchrun_env(0, 1, 0, ""))
 _IMPORT_TIME_ENV_IGNORED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", *_LAUNCH_ENV}
 # The environment before any test changed it (this module is imported at collection): the
 # server starts with it whichever test first needs it, so a variable one test sets does not
@@ -118,22 +125,14 @@ def _train_main_in_fork(args: list[str], env: dict[str, str], stdout: str, stder
     os._exit(code)
 
 
-def _rank_env(env: dict[str, str], rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
-    if nproc == 1:
-        return env
-    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": run_id,
-            "TORCHELASTIC_RESTART_COUNT": "0"}
-
-
 def _run_train_forked(args: list[str], nproc: int, timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
     context = _forkserver()
     port, run_id = free_port(), uuid.uuid4().hex
     cmd = [sys.executable, "train.py", *args]
     with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:
         ranks = [context.Process(target=_train_main_in_fork,
-                                 args=(args, _rank_env(env, rank, nproc, port, run_id), out.name, err.name))
+                                 args=(args, env if nproc == 1 else {**env, **_torchrun_env(rank, nproc, port, run_id)},
+                                       out.name, err.name))
                  for rank in range(nproc)]
         for rank in ranks:
             rank.start()
@@ -158,7 +157,7 @@ def _run_train_forked(args: list[str], nproc: int, timeout: int, env: dict[str, 
                     rank.kill()
                     rank.join()
         codes = [r.exitcode for r in ranks]
-        code = next((c for c in codes if c != 0), 0) if nproc == 1 else int(any(codes))
+        code = codes[0] if nproc == 1 else int(any(codes))  # torchrun exits 1 for any failed worker
         return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
