@@ -27,14 +27,15 @@ from tests.helpers import ROOT, free_port, read_metrics, run_train
 from trainer.checkpoint.dcp_reader import read_dcp_metadata
 from trainer.errors import UserError
 
-# warmup_steps = 10 makes the learning rate of steps 1..10 independent of training.steps, so
-# a 10-step first leg and a 20-step run see the same schedule there. float32 parameters: the
+# warmup_steps = 5 makes the learning rate of steps 1..5 independent of training.steps, so
+# a 5-step first leg and a 10-step run see the same schedule there. Two layers: a resume is
+# exact or not whatever the depth. float32 parameters: the
 # DP-degree comparison is of layouts, which bf16 rounding blurs by a machine-dependent amount
 # (AMX bf16 kernels on torch 2.11: 2.3e-3 apart at step 16, 2026-12-01).
 BASE = [
-    "--training.mixed_precision_param", "float32",
+    "--training.mixed_precision_param", "float32", "--model.n_layers", "2",
     "--training.batch_size", "4", "--training.seq_len", "64", "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "10",
+    "--metrics.enable_tensorboard", "false", "--lr_scheduler.warmup_steps", "5",
     "--checkpoint.enable", "true", "--checkpoint.interval", "100",
 ]
 
@@ -98,10 +99,10 @@ def workers(proc: subprocess.Popen) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ref1(tmp_path_factory) -> Path:
-    """20 steps, 1 process; async saves every 5 steps, keep 2; fp32 export at the end."""
+    """10 steps, 1 process; async saves every 4 steps and at the end, keep 2; fp32 export at the end."""
     out = tmp_path_factory.mktemp("ref1")
-    ok(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(out),
-                  "--checkpoint.interval", "5", "--checkpoint.async_mode", "async",
+    ok(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(out),
+                  "--checkpoint.interval", "4", "--checkpoint.async_mode", "async",
                   "--checkpoint.keep_latest_k", "2", "--checkpoint.export_final", "true",
                   "--checkpoint.export_dtype", "float32"]))
     return out
@@ -109,20 +110,20 @@ def ref1(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ref2(tmp_path_factory) -> Path:
-    """20 steps, FSDP over 2 processes (global batch 8)."""
+    """10 steps, FSDP over 2 processes (global batch 8)."""
     out = tmp_path_factory.mktemp("ref2")
-    ok(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(out)], nproc=2))
+    ok(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(out)], nproc=2))
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.version_specific
 def test_async_saves_keep_latest_k_and_export(ref1):
-    assert checkpoints(ref1) == ["final", "step-15", "step-20"]
-    assert len(losses(ref1)) == 20
+    assert checkpoints(ref1) == ["final", "step-10", "step-8"]
+    assert len(losses(ref1)) == 10
     assert (ref1 / "checkpoints" / "final" / "model.safetensors").is_file()
-    extra = json.loads((ref1 / "checkpoints" / "step-20" / "extra.json").read_text())
-    assert extra["train_state"]["step"] == 20 and extra["global_batch"] == 4
+    extra = json.loads((ref1 / "checkpoints" / "step-10" / "extra.json").read_text())
+    assert extra["train_state"]["step"] == 10 and extra["global_batch"] == 4
 
 
 @pytest.mark.slow
@@ -131,16 +132,16 @@ def test_sigterm_saves_and_resume_is_bitwise(ref1, ref2, tmp_path, nproc):
     """SIGTERM (to the worker processes under torchrun) -> finish the step, save, exit 0; resume is exact."""
     ref = ref1 if nproc == 1 else ref2
     log = tmp_path / "leg1.log"
-    proc = start_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path)], log, nproc)
-    wait_for(lambda: "step      3/20" in log.read_text(), proc)
+    proc = start_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path)], log, nproc)
+    wait_for(lambda: "step      1/10" in log.read_text(), proc)
     for pid in [proc.pid] if nproc == 1 else workers(proc):
         os.kill(pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "received signal 15" in text and "on request; checkpoint saved" in text
     (stopped,) = [int(n.removeprefix("step-")) for n in checkpoints(tmp_path)]
-    assert 3 <= stopped < 20
-    out = ok(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path)], nproc=nproc))
+    assert 1 <= stopped < 10
+    out = ok(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path)], nproc=nproc))
     assert f"resumed from checkpoint at step {stopped}" in out
     assert losses(tmp_path) == losses(ref)
 
@@ -155,11 +156,11 @@ def continue_run(ref: Path, dump: Path) -> None:
 def test_load_step_resumes_an_older_async_checkpoint(ref1, tmp_path):
     shutil.copytree(ref1 / "checkpoints", tmp_path / "checkpoints")
     continue_run(ref1, tmp_path)
-    out = ok(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path),
-                        "--checkpoint.load_step", "15"]))
-    assert "resumed from checkpoint at step 15" in out
+    out = ok(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path),
+                        "--checkpoint.load_step", "8"]))
+    assert "resumed from checkpoint at step 8" in out
     resumed = losses(tmp_path)
-    assert sorted(resumed) == list(range(16, 21))
+    assert sorted(resumed) == [9, 10]
     assert all(resumed[s] == losses(ref1)[s] for s in resumed)
 
 
@@ -191,7 +192,7 @@ def test_kill9_during_save_leaves_previous_checkpoint(ref1, tmp_path, point):
     """SIGKILL before the shards of step-5.partial are written, or after but before its rename:
     step-4 stays the latest, the resume is exact and metrics.jsonl loses the killed run's step 5."""
     folder = tmp_path / "checkpoints"
-    args = [*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path),
+    args = [*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path),
             "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "3"]
     log = tmp_path / "leg1.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -215,24 +216,24 @@ def test_kill9_during_save_leaves_previous_checkpoint(ref1, tmp_path, point):
 @pytest.mark.slow
 @pytest.mark.version_specific
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_stop_at_10_resume_to_20_is_bitwise(ref1, ref2, tmp_path, nproc):
-    """10 steps, then a run to 20 from the step-10 checkpoint: the losses of one 20-step run."""
-    ok(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path)], nproc=nproc))
-    assert checkpoints(tmp_path) == ["step-10"]
+def test_stop_at_5_resume_to_10_is_bitwise(ref1, ref2, tmp_path, nproc):
+    """5 steps, then a run to 10 from the step-5 checkpoint: the losses of one 10-step run."""
+    ok(run_train([*BASE, "--training.steps", "5", "--job.dump_folder", str(tmp_path)], nproc=nproc))
+    assert checkpoints(tmp_path) == ["step-5"]
     # What a run killed after its last checkpoint leaves: rows past it, the last one half-written.
     with (tmp_path / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps({"step": 11, "loss": 0.0}) + "\n" + '{"step": 12, "lo')
-    out = ok(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path)], nproc=nproc))
-    assert "resumed from checkpoint at step 10" in out
+        f.write(json.dumps({"step": 6, "loss": 0.0}) + "\n" + '{"step": 7, "lo')
+    out = ok(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path)], nproc=nproc))
+    assert "resumed from checkpoint at step 5" in out
     assert losses(tmp_path) == losses(ref1 if nproc == 1 else ref2)
 
 
 @pytest.mark.slow
 def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path):
     log = tmp_path / "run.log"
-    proc = start_train([*BASE, "--checkpoint.enable", "false", "--training.steps", "20",
+    proc = start_train([*BASE, "--checkpoint.enable", "false", "--training.steps", "10",
                         "--job.dump_folder", str(tmp_path)], log)
-    wait_for(lambda: "step      3/20" in log.read_text(), proc)
+    wait_for(lambda: "step      1/10" in log.read_text(), proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     text = log.read_text()
@@ -246,25 +247,25 @@ def test_sigterm_without_checkpointing_says_nothing_is_saved(tmp_path):
 @pytest.mark.version_specific
 def test_resume_on_another_dp_degree(ref2, tmp_path):
     """dp=1 x batch 8 -> dp=2 x batch 4 continues the same run; another global batch is refused."""
-    leg1 = [*BASE, "--training.batch_size", "8", "--training.steps", "10", "--job.dump_folder", str(tmp_path)]
+    leg1 = [*BASE, "--training.batch_size", "8", "--training.steps", "5", "--job.dump_folder", str(tmp_path)]
     ok(run_train(leg1))
     ref = losses(ref2)
     for step, loss in losses(tmp_path).items():  # dp=1 and dp=2 compute the same steps
         assert math.isclose(loss, ref[step], rel_tol=2e-3), (step, loss, ref[step])
 
-    line = one_error_line(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path)]))
+    line = one_error_line(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path)]))
     assert "global batch of 8" in line and "uses 4" in line
 
-    out = ok(run_train([*BASE, "--training.steps", "20", "--job.dump_folder", str(tmp_path)], nproc=2))
-    assert "resumed from checkpoint at step 10" in out
+    out = ok(run_train([*BASE, "--training.steps", "10", "--job.dump_folder", str(tmp_path)], nproc=2))
+    assert "resumed from checkpoint at step 5" in out
     resumed = losses(tmp_path)
-    assert sorted(resumed) == list(range(1, 21))
-    for step in range(11, 21):
+    assert sorted(resumed) == list(range(1, 11))
+    for step in range(6, 11):
         assert math.isclose(resumed[step], ref[step], rel_tol=2e-3), (step, resumed[step], ref[step])
 
 
 def _damage_layers(step: Path) -> list[str]:
-    return ["--model.n_layers", "2"]
+    return ["--model.n_layers", "1"]
 
 
 def _damage_truncate(step: Path) -> list[str]:
@@ -304,13 +305,13 @@ def _damage_rng_file(step: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("damage", "expected"), [
-    (_damage_layers, "has 18 weights this model lacks, e.g. 'layers.2."),
+    (_damage_layers, "has 9 weights this model lacks, e.g. 'layers.1."),
     (_damage_truncate, "cannot be loaded"),
     (_damage_extra, "extra.json is missing"),
     (_edit_extra(lambda e: e.update(train_state={})), "extra.json field 'train_state' lacks 'step'"),
     (_edit_extra(lambda e: e["train_state"].update(step="x")),
      "field 'train_state.step' must be an integer >= 0, got \"x\""),
-    (_edit_extra(lambda e: e["train_state"].update(step=7)), "'train_state.step' is 7, but the folder holds step 20"),
+    (_edit_extra(lambda e: e["train_state"].update(step=7)), "'train_state.step' is 7, but the folder holds step 10"),
     (_edit_extra(lambda e: e.update(optimizer_param_groups=[])),
      "field 'optimizer_param_groups' must be a list of 2 parameter groups, got []"),
     (_edit_extra(lambda e: e["optimizer_param_groups"][1].pop("betas")),
@@ -324,12 +325,12 @@ def _damage_rng_file(step: Path) -> list[str]:
     (_damage_rng_file, "is incomplete: rng/rank-0.safetensors is missing"),
 ])
 def test_bad_checkpoint_is_one_line_exit_2(ref1, tmp_path, damage, expected):
-    step = tmp_path / "checkpoints" / "step-20"
-    shutil.copytree(ref1 / "checkpoints" / "step-20", step)
+    step = tmp_path / "checkpoints" / "step-10"
+    shutil.copytree(ref1 / "checkpoints" / "step-10", step)
     continue_run(ref1, tmp_path)
     extra_args = damage(step)
-    line = one_error_line(run_train([*BASE, "--training.steps", "25", "--job.dump_folder", str(tmp_path), *extra_args]))
-    assert expected in line and "step-20" in line, line
+    line = one_error_line(run_train([*BASE, "--training.steps", "15", "--job.dump_folder", str(tmp_path), *extra_args]))
+    assert expected in line and "step-10" in line, line
 
 
 class _Touch:
@@ -361,17 +362,17 @@ def _plant_pickle(step: Path, marker: Path) -> str:
 @pytest.mark.parametrize("how", ["resume", "initial_load"])
 def test_checkpoint_with_a_pickled_entry_is_refused(ref1, tmp_path, how):
     """A .metadata that marks any entry (here an optimizer step) as bytes would make DCP unpickle it."""
-    step = tmp_path / "checkpoints" / "step-20"
-    shutil.copytree(ref1 / "checkpoints" / "step-20", step)
+    step = tmp_path / "checkpoints" / "step-10"
+    shutil.copytree(ref1 / "checkpoints" / "step-10", step)
     continue_run(ref1, tmp_path)
     marker = tmp_path / "PWNED"
     key = _plant_pickle(step, marker)
-    args = [*BASE, "--training.steps", "25", "--job.dump_folder", str(tmp_path)]
+    args = [*BASE, "--training.steps", "15", "--job.dump_folder", str(tmp_path)]
     if how == "initial_load":
         args += ["--job.dump_folder", str(tmp_path / "fresh"), "--checkpoint.initial_load_path", str(step),
                  "--checkpoint.initial_load_format", "dcp"]
     line = one_error_line(run_train(args))
-    assert f"step-20 refused: '{key}' is stored as BytesStorageMetadata, not a tensor" in line, line
+    assert f"step-10 refused: '{key}' is stored as BytesStorageMetadata, not a tensor" in line, line
     assert not marker.exists()
 
 
@@ -401,7 +402,7 @@ def test_export_converts_to_hf_and_initial_weights_load(ref1, tmp_path):
     assert (hf / "config.json").is_file()
 
     first = {}
-    for fmt, path in (("torch", export), ("hf", hf), ("dcp", ref1 / "checkpoints" / "step-20")):
+    for fmt, path in (("torch", export), ("hf", hf), ("dcp", ref1 / "checkpoints" / "step-10")):
         dump = tmp_path / fmt
         out = ok(run_train([*BASE, "--training.steps", "1", "--job.dump_folder", str(dump),
                             "--checkpoint.initial_load_path", str(path),
