@@ -33,7 +33,7 @@ from trainer.errors import UserError
 from trainer.float8_seam.seam import Float8RunContext, build_seam, float8_memory
 from trainer.launch import launch_world_size, pick_device_type
 from trainer.log import info, warn
-from trainer.loss import cross_entropy_sum
+from trainer.loss import model_loss
 from trainer.metrics.logger import (
     MetricsLogger,
     StepTimer,
@@ -177,8 +177,7 @@ class Trainer:
             raise UserError(f"data.path '{self.cfg.data.path}' produced no batches") from None
 
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
-        return cross_entropy_sum(self.model(batch["input_ids"], **kwargs), batch["labels"])
+        return model_loss(self.model, batch)[1]
 
     def _save_last_step(self, why_not: str | None = None) -> str:
         """Save the last completed step of a run about to stop, unless `why_not`; what its line says of it."""
