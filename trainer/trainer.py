@@ -33,15 +33,7 @@ from trainer.errors import UserError
 from trainer.float8_seam.seam import Float8RunContext, build_seam, float8_memory
 from trainer.launch import launch_world_size, pick_device_type
 from trainer.log import info, warn
-from trainer.loss import model_loss
-from trainer.metrics.logger import (
-    MetricsLogger,
-    StepTimer,
-    flops_per_token,
-    gpu_bf16_peak_flops,
-    memory_stats,
-    reset_peak_memory,
-)
+from trainer.metrics.logger import MetricsLogger, flops_per_token, gpu_bf16_peak_flops, memory_stats
 from trainer.metrics.profiling import StepProfiler
 from trainer.metrics.wandb_sink import check_installed
 from trainer.model_setup import build_meta_model, init_weights, model_args_for
@@ -49,9 +41,9 @@ from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.precision import TORCH_DTYPES, resolve_param_precision
 from trainer.run_facts import RunFacts, startup_summary
 from trainer.run_folder import FolderWatch, deleted, inside, keep_records
-from trainer.step import LoopProgress, StepOutcome, StepParts, finish_step, skip_or_stop, train_step
+from trainer.step import BatchReader, StepParts, StepResult, StepRunner, skip_or_stop
 from trainer.threads import raise_thread_failure
-from trainer.train_state import StopRequest, TrainState, seed_everything
+from trainer.train_state import LoopProgress, StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
 
 
@@ -87,6 +79,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
+        self.progress = LoopProgress(self.state)
         self.device_name, self.peak_flops = gpu_bf16_peak_flops(self.device)
         self.checkpointer = CheckpointManager(
             model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
@@ -95,7 +88,6 @@ class Trainer:
             ),
         )
         self.stop_request = StopRequest(self.device, saving=cfg.checkpoint.enable)
-        self.timer = StepTimer(self.device)
         self.parts = StepParts(
             self.model, self.optimizer, self.lr_scheduler, self.float8.post_optimizer_step, self.device,
             self.mesh["dp"].get_group(), self.dp, self.vocab_sharded_logits, cfg.training.max_norm,
@@ -170,29 +162,20 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------
 
-    def _next_micro_batches(self, data_iter) -> list[dict[str, torch.Tensor]]:
-        try:
-            return [next(data_iter) for _ in range(self.cfg.training.gradient_accumulation_steps)]
-        except StopIteration:
-            raise UserError(f"data.path '{self.cfg.data.path}' produced no batches") from None
-
-    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model_loss(self.model, batch)[1]
-
     def _save_last_step(self, why_not: str | None = None) -> str:
         """Save the last completed step of a run about to stop, unless `why_not`; what its line says of it."""
         if not self.cfg.checkpoint.enable:
             return "no checkpoint (checkpointing disabled)"
         if why_not:
             return f"no checkpoint saved ({why_not})"
-        self.checkpointer.maybe_save(self.data_state, force=True)
+        self.checkpointer.maybe_save(self.progress.data_state, force=True)
         return f"checkpoint of step {self.state.step} saved"
 
-    def _stop_on_data_error(self, error: UserError, first_step: int) -> None:
+    def _stop_on_data_error(self, error: UserError) -> None:
         """Save the last completed step, then stop naming the step whose batches hit the bad row (every rank
         learns of each row in the same exchange round, trainer/data/loader.py, so all ranks save together)."""
         step = self.state.step
-        saved = self._save_last_step(None if step >= first_step else "no step completed in this run")
+        saved = self._save_last_step(None if step >= self.progress.first_step else "no step completed in this run")
         raise UserError(f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)")
 
     def _open_records(self, resumed: bool) -> MetricsLogger:
@@ -230,97 +213,50 @@ class Trainer:
             logger.close()
 
     def _loop(self, logger: MetricsLogger, profiler: StepProfiler) -> None:
-        """Steps until training.steps or a stop request: train step, record, save."""
-        data_iter = iter(self.dataloader)
-        run = LoopProgress(first_step=self.state.step + 1, start_time=time.perf_counter())
-        try:
-            micro_batches = self._next_micro_batches(data_iter)
-        except UserError as e:
-            raise UserError(f"step {run.first_step}: {e}") from None
-        # The loader state after the batches of the step about to run: what a checkpoint
-        # of that step records, although the next step's batches are read meanwhile.
-        self.data_state = self.dataloader.state_dict()
-        while self.state.step < self.cfg.training.steps:
-            outcome = self._timed_step(micro_batches, data_iter, profiler)
-            self._count(outcome, run)
-            self._record(outcome, run, logger)
-            if outcome.data_error is not None:
-                self._stop_on_data_error(outcome.data_error, run.first_step)
+        """Steps until training.steps or a stop request: train step, count, record, save."""
+        progress, steps = self.progress, self.cfg.training.steps
+        progress.begin(time.perf_counter())
+        reader = BatchReader(self.dataloader, self.cfg.training.gradient_accumulation_steps, self.cfg.data.path)
+        runner = StepRunner(self.parts, reader, self.float8, profiler, steps, self.is_main)
+        first = reader.read()
+        if first.error is not None:
+            raise UserError(f"step {progress.first_step}: {first.error}")
+        micro_batches, progress.data_state = first.micro_batches, first.data_state
+        while self.state.step < steps:
+            result = runner.run(self.state.step + 1, micro_batches)
+            progress.count(result.step, result.applied, self.facts.tokens_per_step)
+            if not result.applied:
+                skip_or_stop(result, progress.skipped_in_a_row, self.cfg.training.skip_nonfinite_steps, self.is_main)
+            self._record(result, logger)
+            if result.data_error is not None:
+                self._stop_on_data_error(result.data_error)
             if self._save_or_stop():
                 break
-            if self.state.step < self.cfg.training.steps:
-                micro_batches, self.data_state = outcome.next_batches, outcome.next_state
+            if self.state.step < steps:
+                micro_batches, progress.data_state = result.upcoming.micro_batches, result.upcoming.data_state
 
-    def _timed_step(self, micro_batches: list[dict[str, torch.Tensor]], data_iter, profiler: StepProfiler) -> StepOutcome:
-        """One step, then the next step's batches, read while the device runs the optimizer step."""
-        step = self.state.step + 1
-        reset_peak_memory(self.device)
-        outcome = StepOutcome(step=step)
-        with profiler.step(step):
-            outcome.t_start = time.perf_counter()
-            self.float8.arm_health(self.model, step, self.device)
-            t_launch = self.timer.mark()
-            launched = train_step(self._loss_sum, micro_batches, self.parts, self.timer)
-            t_done = self.timer.mark()
-            last = step == self.cfg.training.steps
-            t_data = time.perf_counter()
-            if not last:  # read while the device runs the update
-                self._read_next_batches(outcome, data_iter)
-            outcome.data_time = time.perf_counter() - t_data
-            outcome.loss, outcome.grad_norm, outcome.applied = finish_step(launched, self.parts)
-            if last and not outcome.applied:  # a skipped step is retried on the next batches
-                self._read_next_batches(outcome, data_iter)
-        outcome.t_end = time.perf_counter()
-        outcome.marks = (t_launch, launched.t_backward, t_done)
-        health = self.float8.read_health()
-        outcome.float8_health = health.metrics
-        for message in health.warnings if self.is_main else ():
-            warn(message)
-        return outcome
-
-    def _read_next_batches(self, outcome: StepOutcome, data_iter) -> None:
-        try:
-            outcome.next_batches = self._next_micro_batches(data_iter)
-            outcome.next_state = self.dataloader.state_dict()
-        except UserError as e:  # a bad data row: this step is still completed and saved
-            outcome.data_error = e
-
-    def _count(self, outcome: StepOutcome, run: LoopProgress) -> None:
-        """Advance the counters: an applied step moves the step on, a skipped one may stop the run."""
-        self.state.tokens_seen += self.facts.tokens_per_step
-        if outcome.applied:
-            self.state.step = outcome.step
-            run.skipped_in_a_row = 0
-        else:
-            run.skipped_total += 1
-            run.skipped_in_a_row += 1
-            skip_or_stop(outcome, run.skipped_in_a_row, self.cfg.training.skip_nonfinite_steps, self.is_main)
-
-    def _record(self, outcome: StepOutcome, run: LoopProgress, logger: MetricsLogger) -> None:
+    def _record(self, result: StepResult, logger: MetricsLogger) -> None:
         """Evaluate when due, and log the step's metrics on the logged steps."""
-        step, steps = outcome.step, self.cfg.training.steps
-        if not outcome.applied:
+        step, steps, progress = result.step, self.cfg.training.steps, self.progress
+        if not result.applied:
             return
         validation = self.validator.evaluate(self.model, step) if self.validator and self.validator.due(step) else {}
         if not (step == 1 or step % self.cfg.metrics.log_freq == 0 or step == steps or validation
-                or outcome.float8_health):
+                or result.float8_health):
             return
-        step_time = outcome.t_end - outcome.t_start
-        tps = self.facts.tokens_per_gpu / step_time
+        tps = self.facts.tokens_per_gpu / result.seconds
         tflops = tps * self.facts.flops_per_token / 1e12
-        t_launch, t_backward, t_done = outcome.marks
         record = {
-            "step": step, "loss": outcome.loss, "grad_norm": outcome.grad_norm,
+            "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
             "lr": self.lr_scheduler.get_last_lr()[0], "tps": tps, "tflops": tflops,
             "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
-            "step_time_s": step_time, "data_time_s": outcome.data_time,
-            "fwd_bwd_time_s": self.timer.seconds(t_launch, t_backward),
-            "optim_time_s": self.timer.seconds(t_backward, t_done),
-            **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
-            "skipped_steps": run.skipped_total, **self.dataloader.dataset.metrics(self.data_state["dataset_state"]),
-            **validation, **outcome.float8_health,
+            "step_time_s": result.seconds, "data_time_s": result.data_seconds,
+            "fwd_bwd_time_s": result.phases.forward_backward_s(), "optim_time_s": result.phases.optimizer_s(),
+            **memory_stats(self.device), "tokens_seen": self.state.tokens_seen, "skipped_steps": progress.skipped_total,
+            **self.dataloader.dataset.metrics(progress.data_state["dataset_state"]),
+            **validation, **result.float8_health,
         }
-        eta = (time.perf_counter() - run.start_time) / (step - run.first_step + 1) * (steps - step)
+        eta = (time.perf_counter() - progress.start_time) / (step - progress.first_step + 1) * (steps - step)
         logger.log(record, steps, eta)
 
     def _save_or_stop(self) -> bool:
@@ -333,7 +269,7 @@ class Trainer:
         # An exception that ended a background thread (TensorBoard's writer on a full disk) ends the run.
         raise_thread_failure()
         step = self.state.step
-        self.checkpointer.maybe_save(self.data_state, force=stop or step == self.cfg.training.steps)
+        self.checkpointer.maybe_save(self.progress.data_state, force=stop or step == self.cfg.training.steps)
         if stop and self.is_main:
             saved = "checkpoint saved" if self.cfg.checkpoint.enable else "no checkpoint (checkpointing disabled)"
             info(f"stopped at step {step} on request; {saved}")

@@ -74,7 +74,7 @@ ACTIVATION_BYTES = {
 }
 # AC full keeps each block's input (one bf16 tensor) and recomputes the rest one block at a time.
 FULL_AC_BLOCK_INPUT_BYTES = 2.0
-# _loss_sum: bf16 logits, their fp32 upcast, and the fp32 log-softmax cross_entropy saves.
+# model_loss (trainer/loss.py): bf16 logits, their fp32 upcast, and the fp32 log-softmax cross_entropy saves.
 LOGIT_BYTES = 2 + 4 + 4
 
 
