@@ -1,8 +1,9 @@
 """The training loop and the build order that precedes it.
 
-Build order (docs/design.md): tokenizer + data -> model on meta -> float8 conversion ->
-FLOPs per token -> TP -> AC -> compile -> FSDP2 -> materialise + init/load ->
-optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
+Build order (docs/design.md): the plan (trainer/plan.py: layout, precision, float8 choices, memory
+estimate, tokenizer) -> process group -> data -> model on meta -> float8 conversion -> TP -> AC ->
+compile -> FSDP2 -> materialise + init/load -> optimizer and LR schedule -> (resume) -> loop
+(trainer/step.py's StepRunner, with the float8 post-step hook).
 """
 
 from __future__ import annotations
@@ -12,34 +13,29 @@ import functools
 import time
 from pathlib import Path
 
-import torch
-
-from models.llama import num_params
 from trainer.checkpoint.context import CheckpointContext, checkpoint_folder
 from trainer.checkpoint.initial_weights import check_initial_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Config, check_layout, notes, to_toml
+from trainer.config import Config, to_toml
 from trainer.data.exchange import world_exchange
 from trainer.data.run_loaders import data_summary, run_loader
 from trainer.data.run_loaders import (
     sft_options as sft_options,  # scripts and tests import it from here
 )
-from trainer.data.tokenizer import Tokenizer
 from trainer.distributed import process_group
-from trainer.distributed.memory_plan import check_plan
+from trainer.distributed.memory_plan import check_fits
 from trainer.distributed.parallelize import parallelize_llama
-from trainer.distributed.single_rank_fast_path import choose_fast_path
 from trainer.errors import UserError
-from trainer.float8_seam.seam import Float8RunContext, build_seam, float8_memory
-from trainer.launch import launch_world_size, pick_device_type
+from trainer.launch import launch_world_size
 from trainer.log import info, warn
-from trainer.metrics.logger import MetricsLogger, flops_per_token, gpu_bf16_peak_flops, memory_stats
+from trainer.metrics.logger import MetricsLogger, gpu_bf16_peak_flops, memory_stats
 from trainer.metrics.profiling import StepProfiler
 from trainer.metrics.wandb_sink import check_installed
-from trainer.model_setup import build_meta_model, init_weights, model_args_for
+from trainer.model_setup import build_meta_model, init_weights
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.precision import TORCH_DTYPES, resolve_param_precision
-from trainer.run_facts import RunFacts, startup_summary
+from trainer.plan import RunPlan
+from trainer.precision import TORCH_DTYPES
+from trainer.run_facts import startup_summary
 from trainer.run_folder import FolderWatch, deleted, inside, keep_records
 from trainer.step import BatchReader, StepParts, StepResult, StepRunner, skip_or_stop
 from trainer.threads import raise_thread_failure
@@ -52,84 +48,65 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self._resolve_layout()
+        self.plan = plan = self._start()
         self._build_data()
-        model = build_meta_model(self.model_args)
-        # Float8 off gives a no-op seam: nothing below asks whether float8 is on.
-        self.float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, self.device.type, self.param_precision.dtype))
-        self.float8.convert(model)
-        self.facts = RunFacts.for_run(
-            cfg, self.world_size, self.dp, self.tp, self.param_precision.dtype,
-            self.float8.run_name_precision(self.param_precision.dtype), num_params(model),
-            flops_per_token(num_params(model, exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
-                            cfg.training.seq_len),
-        )
+        model = build_meta_model(plan.model_args)
+        plan.float8.convert(model)
         # Before any weight is allocated: the advice refuses float8 on GPUs without float8 GEMMs.
-        self.advice = [*notes(cfg), *self.float8.advice(self.device, self.dp, self.tp)]
-        if self.param_precision.warning:
-            self.advice.insert(0, self.param_precision.warning)
+        self.advice = plan.warnings(self.device)
         self.model = parallelize_llama(
-            model, self.mesh, tp_styles=self.float8.tp_styles(), vocab_sharded_logits=self.vocab_sharded_logits,
+            model, self.mesh, tp_styles=plan.float8.tp_styles(), vocab_sharded_logits=plan.vocab_sharded_logits,
             activation_checkpoint=cfg.activation_checkpoint, compile_config=cfg.compile,
-            param_dtype=TORCH_DTYPES[self.param_precision.dtype],
-            reduce_dtype=TORCH_DTYPES[cfg.training.mixed_precision_reduce],
-            reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=self.fast_path.on,
+            param_dtype=TORCH_DTYPES[plan.params.dtype], reduce_dtype=TORCH_DTYPES[cfg.training.mixed_precision_reduce],
+            reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=plan.fast_path.on,
         )
-        init_weights(self.model, self.model_args, cfg.training.seed, self.device)
+        init_weights(self.model, plan.model_args, cfg.training.seed, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
         self.progress = LoopProgress(self.state)
         self.device_name, self.peak_flops = gpu_bf16_peak_flops(self.device)
+        facts = plan.facts
         self.checkpointer = CheckpointManager(
             model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             train_state=self.state, context=CheckpointContext.for_run(
-                cfg, self.model_args, self.dist, self.dp, self.tp, self.facts.global_batch
+                cfg, plan.model_args, self.dist, facts.dp, facts.tp, facts.global_batch, plan.tokenizer
             ),
         )
         self.stop_request = StopRequest(self.device, saving=cfg.checkpoint.enable)
         self.parts = StepParts(
-            self.model, self.optimizer, self.lr_scheduler, self.float8.post_optimizer_step, self.device,
-            self.mesh["dp"].get_group(), self.dp, self.vocab_sharded_logits, cfg.training.max_norm,
+            self.model, self.optimizer, self.lr_scheduler, plan.float8.post_optimizer_step, self.device,
+            self.mesh["dp"].get_group(), facts.dp, plan.vocab_sharded_logits, cfg.training.max_norm,
         )
 
     # -- setup helpers -------------------------------------------------------
 
-    def _resolve_layout(self) -> None:
-        """Device, parameter dtype, model shape and DP x TP layout, then the process group and mesh.
+    def _start(self) -> RunPlan:
+        """The run's plan, then the process group and mesh.
 
-        Checks that need no process group come first: a bad layout or tokenizer then fails on
-        every rank before any rank waits for the others.
+        Checks that need no process group come first (the plan's, the initial weights'): a bad layout
+        or tokenizer then fails on every rank before any rank waits for the others.
         """
         cfg = self.cfg
-        device_type = pick_device_type(cfg.training.device)
-        if device_type == "cuda" and not torch.cuda.is_available():
-            raise UserError("training.device = 'cuda' but no CUDA device is available")
-        self.param_precision = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
         check_installed(cfg.metrics)
-        self.model_args = model_args_for(cfg, self.tokenizer.n_words, device_type)
-        check_initial_weights_fit(cfg.checkpoint, checkpoint_folder(cfg), self.model_args)
-        self.world_size = launch_world_size()
-        self.dp, self.tp = check_layout(cfg, self.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
-        self.vocab_sharded_logits = self.tp > 1 and cfg.parallelism.loss_parallel
-        self.fast_path = choose_fast_path(cfg.parallelism.single_rank_fast_path, self.dp)
-        self.dist = process_group.init_distributed(device_type)
+        plan = RunPlan.resolve(cfg, launch_world_size())
+        check_initial_weights_fit(cfg.checkpoint, checkpoint_folder(cfg), plan.model_args)
+        self.dist = process_group.init_distributed(plan.device_type)
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # Before the data is read and any weight allocated: a plan whose memory cannot fit is
         # refused with the numbers (trainer/distributed/memory_plan.py).
-        self.memory, _ = check_plan(cfg, self.model_args, self.device, self.dp, self.tp, self.param_precision.dtype,
-                                    self.vocab_sharded_logits, float8_memory(cfg.float8))
+        check_fits(plan.memory, self.device)
         seed_everything(cfg.training.seed, cfg.training.deterministic)
-        self.mesh = process_group.build_mesh(device_type, self.dp, self.tp)
+        self.mesh = process_group.build_mesh(plan.device_type, plan.facts.dp, plan.facts.tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()
+        return plan
 
     def _build_data(self) -> None:
-        cfg = self.cfg
+        cfg, plan = self.cfg, self.plan
         # One gloo group for the training and held-out loaders: they read in turn, on this thread,
         # in the same order on every rank.
         self.data_exchange = world_exchange()
-        loader = functools.partial(run_loader, cfg, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp=self.dp,
+        loader = functools.partial(run_loader, cfg, tokenizer=plan.tokenizer, dp_rank=self.dp_rank, dp=plan.facts.dp,
                                    exchange=self.data_exchange, verbose=self.is_main)
         self.dataloader = loader("data", cfg.data.num_workers)
         self.validator = None
@@ -137,7 +114,7 @@ class Trainer:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
                 cfg.validation, loader("validation", 0), cfg.training.steps, device=self.device,
-                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
+                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=plan.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
 
@@ -145,19 +122,19 @@ class Trainer:
         """The config as the run uses it: the resolved parameter dtype, and after a resume the
         checkpoint's optimizer settings. `cfg` itself is never written."""
         cfg = self.cfg
-        training = dataclasses.replace(cfg.training, mixed_precision_param=self.param_precision.dtype)
+        training = dataclasses.replace(cfg.training, mixed_precision_param=self.plan.params.dtype)
         optimizer = dataclasses.replace(cfg.optimizer, **self.checkpointer.optimizer_in_force)
         return dataclasses.replace(cfg, training=training, optimizer=optimizer)
 
     def _startup_summary(self) -> None:
-        params = f"params {self.facts.param_dtype} ({self.param_precision.reason})"
+        plan, args = self.plan, self.plan.model_args
         peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
         lines = startup_summary(
-            self.facts, self.cfg, self.model_args.n_layers, self.model_args.attention, f"{self.device_name} ({peak})",
-            self.float8.describe(params), self.memory.summary(), self.fast_path.text,
+            plan.facts, self.cfg, args.n_layers, args.attention, f"{self.device_name} ({peak})",
+            plan.precision.summary, plan.memory.summary(), plan.fast_path.text,
         )
         lines += data_summary(self.cfg, self.dataloader, self.validator.loader if self.validator else None)
-        for line in lines + self.float8.summary_lines():
+        for line in lines + plan.float8.summary_lines():
             info(line)
 
     # -- the loop ------------------------------------------------------------
@@ -191,7 +168,7 @@ class Trainer:
             (dump / "config.toml").write_text(config_text)
             self.dump_watch = FolderWatch(dump)
         metrics = self.cfg.metrics
-        return MetricsLogger(str(dump), self.facts.run_name, metrics.enable_tensorboard, self.is_main,
+        return MetricsLogger(str(dump), self.plan.facts.run_name, metrics.enable_tensorboard, self.is_main,
                              config_text=config_text, resume_step=self.state.step if resumed else None,
                              wandb_project=metrics.wandb_project if metrics.enable_wandb else None)
 
@@ -217,14 +194,14 @@ class Trainer:
         progress, steps = self.progress, self.cfg.training.steps
         progress.begin(time.perf_counter())
         reader = BatchReader(self.dataloader, self.cfg.training.gradient_accumulation_steps, self.cfg.data.path)
-        runner = StepRunner(self.parts, reader, self.float8, profiler, steps, self.is_main)
+        runner = StepRunner(self.parts, reader, self.plan.float8, profiler, steps, self.is_main)
         first = reader.read()
         if first.error is not None:
             raise UserError(f"step {progress.first_step}: {first.error}")
         micro_batches, progress.data_state = first.micro_batches, first.data_state
         while self.state.step < steps:
             result = runner.run(self.state.step + 1, micro_batches)
-            progress.count(result.step, result.applied, self.facts.tokens_per_step)
+            progress.count(result.step, result.applied, self.plan.facts.tokens_per_step)
             if not result.applied:
                 skip_or_stop(result, progress.skipped_in_a_row, self.cfg.training.skip_nonfinite_steps, self.is_main)
             self._record(result, logger)
@@ -244,8 +221,8 @@ class Trainer:
         if not (step == 1 or step % self.cfg.metrics.log_freq == 0 or step == steps or validation
                 or result.float8_health):
             return
-        tps = self.facts.tokens_per_gpu / result.seconds
-        tflops = tps * self.facts.flops_per_token / 1e12
+        tps = self.plan.facts.tokens_per_gpu / result.seconds
+        tflops = tps * self.plan.facts.flops_per_token / 1e12
         record = {
             "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
             "lr": self.lr_scheduler.get_last_lr()[0], "tps": tps, "tflops": tflops,
