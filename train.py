@@ -38,7 +38,9 @@ def run(cfg: Config) -> None:
         except Exception as e:
             if reported_in_this_launch():
                 raise
-            raise unexpected(e, cfg.job.dump_folder, trainer) from None
+            if trainer is None:
+                raise unexpected(e, cfg.job.dump_folder) from None
+            raise unexpected(e, cfg.job.dump_folder, trainer.progress, trainer.checkpointer) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +87,7 @@ def _main(argv: list[str] | None) -> int:
             return UserError.exit_code
         from trainer.crash import unexpected
 
-        error = unexpected(e, cfg.job.dump_folder if cfg is not None else None, None)
+        error = unexpected(e, cfg.job.dump_folder if cfg is not None else None)
         report(error)
         return error.exit_code
     finally:

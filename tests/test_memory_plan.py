@@ -16,7 +16,7 @@ from trainer.distributed.memory_plan import (
     GIB,
     Float8Memory,
     capacity,
-    check_plan,
+    check_fits,
     estimate,
     estimate_for,
     fit_error,
@@ -87,13 +87,13 @@ def test_refusal_is_one_line_with_the_numbers():
     assert fit_error(small, "x", small.total / 0.96) is not None
 
 
-def test_check_plan_raises_a_user_error(monkeypatch):
+def test_check_fits_raises_a_user_error(monkeypatch):
     cfg = build_config(["--config", "configs/debug.toml", "--training.seq_len", "100000", "--model.max_seq_len", "100000"])
-    args = model_args_for(cfg, None, "cpu")
+    est = estimate_for(cfg, model_args_for(cfg, None, "cpu"), "cpu", 1, 1, "float32", False, Float8Memory())
     monkeypatch.setattr("trainer.distributed.memory_plan.capacity", lambda device: ("this host", 16 * GIB))
     with pytest.raises(UserError, match=r"needs about \d+\.\d GiB per GPU .* but this host has 16\.0 GiB"):
-        check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", False, Float8Memory())
-    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, "float32", False, Float8Memory(), refuse=False)
+        check_fits(est, torch.device("cpu"))
+    error = check_fits(est, torch.device("cpu"), refuse=False)
     assert error is not None and est.total > 16 * GIB
 
 
@@ -121,8 +121,8 @@ def test_debug_configs_fit_this_cpu(path):
     cfg = build_config(["--config", path])
     args = model_args_for(cfg, None, "cpu")
     param_dtype = resolve_param_precision(cfg.training.mixed_precision_param, "cpu").dtype
-    est, error = check_plan(cfg, args, torch.device("cpu"), 1, 1, param_dtype, False, float8_memory(cfg.float8))
-    assert error is None and est.total < 1 * GIB
+    est = estimate_for(cfg, args, "cpu", 1, 1, param_dtype, False, float8_memory(cfg.float8))
+    assert check_fits(est, torch.device("cpu"), refuse=False) is None and est.total < 1 * GIB
 
 
 @pytest.mark.slow

@@ -1,18 +1,26 @@
 """trainer/step.py: a non-finite step leaves weights, optimizer state and the LR schedule untouched;
 a finite one is clipped as clip_grad_norm_ clips. Fused AdamW (guard on the device) and foreach
-(guard on the host), on the CPU and, where there is one, on CUDA."""
+(guard on the host), on the CPU and, where there is one, on CUDA. StepRunner returns a frozen
+StepResult with the next step's batches; the crash handler saves from the loop's progress."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.config import Float8TrainingConfig, ProfilingConfig
+from trainer.crash import unexpected
+from trainer.float8_seam.seam import Float8RunContext, build_seam
 from trainer.metrics.logger import StepTimer
-from trainer.step import StepParts, finish_step, train_step
+from trainer.metrics.profiling import StepProfiler
+from trainer.step import BatchReader, StepParts, StepRunner, finish_step, train_step
+from trainer.train_state import LoopProgress, TrainState
 
 pytestmark = pytest.mark.version_specific
 
@@ -108,3 +116,95 @@ def test_fused_clip_matches_clip_grad_norm(device):
         _step(unclipped, poison=False)
     assert not torch.allclose(unclipped.model.linear.weight, fused.model.linear.weight, rtol=1e-3)
 
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.out = nn.Linear(8, 11)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens))
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        pass
+
+
+class ListLoader:
+    """A loader of `n` batches whose state is how many it has handed out."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.batches = [{"input_ids": torch.randint(0, 11, (2, 5), generator=g),
+                         "labels": torch.randint(0, 11, (2, 5), generator=g)} for _ in range(n)]
+        self.read = 0
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.read += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"read": self.read}
+
+
+def _runner(n_batches: int, last_step: int) -> tuple[StepRunner, BatchReader]:
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    parts = StepParts(model, optimizer, schedule, lambda m: None, torch.device("cpu"), None, 1, False, 1.0)
+    reader = BatchReader(ListLoader(n_batches), 1, "data/x")
+    float8 = build_seam(Float8TrainingConfig(), Float8RunContext("cpu", "none", "float32", False, 10))
+    profiler = StepProfiler(ProfilingConfig(), Path("unused"), 0, torch.device("cpu"))
+    return StepRunner(parts, reader, float8, profiler, last_step, is_main=True), reader
+
+
+def test_a_step_returns_a_frozen_result_with_the_next_steps_batches():
+    runner, reader = _runner(n_batches=3, last_step=2)
+    first = reader.read()
+    assert first.data_state == {"read": 1}
+    result = runner.run(1, first.micro_batches)
+    assert result.step == 1 and result.applied and math.isfinite(result.loss) and result.seconds > 0
+    assert result.upcoming.data_state == {"read": 2} and result.data_error is None
+    assert result.phases.forward_backward_s() >= 0 and result.phases.optimizer_s() >= 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.loss = 0.0
+    last = runner.run(2, result.upcoming.micro_batches)
+    assert last.applied and last.upcoming is None  # an applied last step reads nothing more
+
+
+def test_running_out_of_data_is_the_steps_data_error():
+    runner, reader = _runner(n_batches=1, last_step=3)
+    result = runner.run(1, reader.read().micro_batches)
+    assert result.applied and str(result.data_error) == "data.path 'data/x' produced no batches"
+
+
+class FakeCheckpointer:
+    def __init__(self) -> None:
+        self.saved_with: list = []
+
+    def save_after_failure(self, data_state: dict | None) -> str:
+        self.saved_with.append(data_state)
+        return "checkpoint of step 3 saved"
+
+
+def test_the_crash_handler_saves_from_the_loop_progress(tmp_path):
+    progress = LoopProgress(TrainState(step=3), data_state={"read": 3})
+    checkpointer = FakeCheckpointer()
+    error = unexpected(RuntimeError("boom"), str(tmp_path), progress, checkpointer)
+    assert checkpointer.saved_with == [{"read": 3}]
+    assert str(error).startswith("unexpected RuntimeError: boom (after step 3: checkpoint of step 3 saved; traceback in ")
+    assert "before any step" not in str(unexpected(RuntimeError("boom"), str(tmp_path)))
+
+
+def test_loop_progress_counts_applied_and_skipped_steps():
+    progress = LoopProgress(TrainState(step=4))
+    progress.begin(10.0)
+    assert (progress.first_step, progress.start_time) == (5, 10.0)
+    progress.count(5, applied=False, tokens=7)
+    progress.count(5, applied=False, tokens=7)
+    assert (progress.counters.step, progress.skipped_in_a_row, progress.skipped_total) == (4, 2, 2)
+    progress.count(5, applied=True, tokens=7)
+    assert (progress.counters.step, progress.counters.tokens_seen, progress.skipped_in_a_row) == (5, 21, 0)

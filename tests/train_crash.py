@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainer.metrics import logger as metrics_logger  # noqa: E402
+from trainer.step import StepRunner  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 WHERE, _, N = os.environ["CRASH"].partition(":")
@@ -38,17 +39,17 @@ def _count() -> int:
 
 
 def _failing_record(original):
-    def record(self, outcome, run, logger):
-        if outcome.step == N:
+    def record(self, result, logger):
+        if result.step == N:
             raise RuntimeError(f"forced failure while recording step {N}")
-        return original(self, outcome, run, logger)
+        return original(self, result, logger)
     return record
 
 
 def _deleting_record(original):
-    def record(self, outcome, run, logger):
-        original(self, outcome, run, logger)
-        if outcome.step == N:
+    def record(self, result, logger):
+        original(self, result, logger)
+        if result.step == N:
             shutil.rmtree(self.cfg.job.dump_folder)
     return record
 
@@ -89,7 +90,7 @@ if WHERE == "record":
 elif WHERE == "delete_dump":
     Trainer._record = _deleting_record(Trainer._record)
 elif WHERE == "forward":
-    Trainer._loss_sum = _failing_loss_sum(Trainer._loss_sum)
+    StepRunner.loss_sum = _failing_loss_sum(StepRunner.loss_sum)
 elif WHERE == "disk_full":
     metrics_logger.os = _FullDiskOs()
     metrics_logger.JsonlAppender.__init__ = _recording_fd(metrics_logger.JsonlAppender.__init__)

@@ -85,12 +85,12 @@ def main() -> None:
         sys.stderr = _HeldErrorLine(sys.stderr, rank, hooks["hold_error_line_s"])
     if "raise_at_first_batch" in hooks:
         from trainer.errors import UserError
-        from trainer.trainer import Trainer
+        from trainer.step import BatchReader
 
-        def fail(self, data_iter):
+        def fail(self):
             raise UserError(hooks["raise_at_first_batch"])
 
-        Trainer._next_micro_batches = fail
+        BatchReader.micro_batches = fail
     sys.argv = [str(ROOT / "train.py"), *sys.argv[1:]]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.trainer import Trainer  # noqa: E402
+from trainer.step import StepRunner  # noqa: E402
 
 POISONED = {int(n) for n in os.environ["NONFINITE_ATTEMPTS"].split(",")}
-_original = Trainer._loss_sum
+_original = StepRunner.loss_sum
 _calls = 0
 
 
@@ -29,6 +29,6 @@ def _poisoned_loss_sum(self, batch):
     return loss * float("nan") if _calls in POISONED else loss
 
 
-Trainer._loss_sum = _poisoned_loss_sum
+StepRunner.loss_sum = _poisoned_loss_sum
 sys.argv = [str(ROOT / "train.py"), *sys.argv[1:]]
 runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

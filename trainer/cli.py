@@ -61,7 +61,7 @@ def run_command(main: Callable[[], int | None]) -> int:
         report(Interrupted("interrupted (Ctrl-C)"))
         return INTERRUPTED_EXIT
     except Exception as e:
-        error = unexpected(e, None, None)
+        error = unexpected(e, None)
         report(error)
         return error.exit_code
     finally:

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 from trainer.errors import UserError
 from trainer.launch import launch_rank
 
-if TYPE_CHECKING:
-    from trainer.trainer import Trainer
+if TYPE_CHECKING:  # torch-free at import: trainer/cli.py (every script's ending) imports this module
+    from trainer.checkpoint.manager import CheckpointManager
+    from trainer.train_state import LoopProgress
 
 # A save after an unexpected failure that takes longer than this is given up: the process must end.
 SAVE_AFTER_FAILURE_LIMIT_S = 600.0
@@ -64,18 +65,21 @@ def _leave_if_stuck(limit_s: float) -> threading.Timer:
     return timer
 
 
-def unexpected(error: BaseException, dump_folder: str | None, trainer: Trainer | None) -> UnexpectedError:
+def unexpected(
+    error: BaseException, dump_folder: str | None, progress: LoopProgress | None = None,
+    checkpointer: CheckpointManager | None = None,
+) -> UnexpectedError:
     """The one line for an unexpected exception: what failed, what was saved, where the traceback is.
 
-    The traceback goes to a file, not the console: there it would bury the line.
+    With the loop's `progress` and the run's `checkpointer` (a Trainer was built), the last completed
+    step is saved first when it can be. The traceback goes to a file, not the console: there it would bury the line.
     """
     saved = ""
-    if trainer is not None:
+    if progress is not None and checkpointer is not None:
         timer = _leave_if_stuck(SAVE_AFTER_FAILURE_LIMIT_S)
-        # data_state: the loader state of the last step the loop counted, set once the loop runs.
-        outcome = trainer.checkpointer.save_after_failure(getattr(trainer, "data_state", None))
+        outcome = checkpointer.save_after_failure(progress.data_state)
         timer.cancel()
-        step = trainer.state.step
+        step = progress.counters.step
         when = f"after step {step}" if step else "before any step completed"
         saved = f"{when}: {outcome}; "
     lines = str(error).strip().splitlines()

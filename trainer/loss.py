@@ -1,4 +1,5 @@
-"""The training loss: cross-entropy summed over target tokens, for whole or vocab-sharded logits.
+"""The loss, one function for training and validation: cross-entropy summed over target tokens,
+for whole or vocab-sharded logits.
 
 With tensor parallelism and `parallelism.loss_parallel` the output projection leaves the
 logits as a DTensor sharded on the vocab dim (trainer/distributed/parallelize.py). Under
@@ -13,6 +14,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -34,3 +36,12 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
         logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def model_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits for `batch` and their `cross_entropy_sum` against its labels: the loss a training
+    step backpropagates and validation reports (both under `loss_context`)."""
+    # Packed SFT batches carry their documents' positions and ids (the attention mask).
+    kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+    logits = model(batch["input_ids"], **kwargs)
+    return logits, cross_entropy_sum(logits, batch["labels"])

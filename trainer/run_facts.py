@@ -1,5 +1,5 @@
-"""What a run is, derived once from its config and layout: the numbers the trainer, its
-startup summary and the dry run (trainer/dry_run.py) all print or use."""
+"""What a run is, derived once from its config and layout by the run's plan (trainer/plan.py): the
+numbers the trainer, its startup summary and the dry run (trainer/dry_run.py) all print or use."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""One optimizer step with the non-finite guard, and what the loop keeps of each step.
+"""One training step: the optimizer step with the non-finite guard (`train_step`, `finish_step`), and
+`StepRunner`, which runs it for the loop and returns a frozen `StepResult`.
 
 A step's loss is a mean over every target token of the global batch, so the same step gives
 the same gradient whatever the DP degree or accumulation split; the step is applied only
@@ -9,17 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from trainer.errors import UserError
+from trainer.float8_seam.seam import Float8Seam
 from trainer.log import warn
-from trainer.loss import IGNORE_INDEX, loss_context
-from trainer.metrics.logger import StepTimer
+from trainer.loss import IGNORE_INDEX, loss_context, model_loss
+from trainer.metrics.logger import StepTimer, reset_peak_memory
+from trainer.metrics.profiling import StepProfiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,39 +158,126 @@ def _finite(values: torch.Tensor) -> bool:
     return bool(torch.isfinite(values).all())
 
 
-@dataclasses.dataclass
-class LoopProgress:
-    """Counters of this run of the loop (not checkpointed: a resumed run counts afresh)."""
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """A step's micro-batches and the loader state after them (what a checkpoint of that step records),
+    or the bad data row (a UserError) that stopped their reading."""
 
-    first_step: int
-    start_time: float
-    skipped_total: int = 0
-    skipped_in_a_row: int = 0
+    micro_batches: list[dict[str, torch.Tensor]] | None = None
+    data_state: dict[str, Any] | None = None
+    error: UserError | None = None
 
 
-@dataclasses.dataclass
-class StepOutcome:
-    """What one step produced: its loss and norm, whether it was applied, its times and the next batches."""
+class BatchReader:
+    """Reads each step's micro-batches from the training loader; create it once the loader's state is restored."""
+
+    def __init__(self, loader: StatefulDataLoader, accumulation: int, data_path: str) -> None:
+        self.loader = loader
+        self.accumulation = accumulation
+        self.data_path = data_path
+        self._batches = iter(loader)
+
+    def micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        try:
+            return [next(self._batches) for _ in range(self.accumulation)]
+        except StopIteration:
+            raise UserError(f"data.path '{self.data_path}' produced no batches") from None
+
+    def read(self) -> Batches:
+        try:
+            return Batches(self.micro_batches(), self.loader.state_dict())
+        except UserError as e:  # a bad data row: the step that read it still completes
+            return Batches(error=e)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseMarks:
+    """Where a step's forward-backward and optimizer phases began and ended (StepTimer marks). Read only
+    on the steps the loop logs: on CUDA a read waits for the update to finish."""
+
+    timer: StepTimer
+    launch: Any
+    backward: Any
+    done: Any
+
+    def forward_backward_s(self) -> float:
+        return self.timer.seconds(self.launch, self.backward)
+
+    def optimizer_s(self) -> float:
+        return self.timer.seconds(self.backward, self.done)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one step produced: its loss and grad norm, whether it was applied, its times, and the
+    batches of the step after it (None after an applied last step)."""
 
     step: int
-    loss: float = math.nan
-    grad_norm: float = math.nan
-    applied: bool = False
-    t_start: float = 0.0
-    t_end: float = 0.0
-    data_time: float = 0.0
-    marks: tuple[Any, Any, Any] = (None, None, None)
-    next_batches: list[dict[str, torch.Tensor]] | None = None
-    next_state: dict[str, Any] | None = None
-    data_error: UserError | None = None
+    loss: float
+    grad_norm: float
+    applied: bool
+    seconds: float
+    data_seconds: float
+    phases: PhaseMarks
+    upcoming: Batches | None
     # metrics.float8_stats_freq's float8/ metrics, on the steps that read them.
-    float8_health: dict[str, Any] = dataclasses.field(default_factory=dict)
+    float8_health: Mapping[str, Any]
+
+    @property
+    def data_error(self) -> UserError | None:
+        return self.upcoming.error if self.upcoming is not None else None
 
 
-def skip_or_stop(outcome: StepOutcome, in_a_row: int, limit: int, is_main: bool) -> None:
+class StepRunner:
+    """Runs the loop's steps: each one's float8 health, profiling and timing around `train_step`, and
+    the next step's batches, read while the device runs the update."""
+
+    def __init__(self, parts: StepParts, reader: BatchReader, float8: Float8Seam, profiler: StepProfiler,
+                 last_step: int, is_main: bool) -> None:
+        self.parts = parts
+        self.reader = reader
+        self.float8 = float8
+        self.profiler = profiler
+        self.last_step = last_step
+        self.is_main = is_main
+        self.timer = StepTimer(parts.device)
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One micro-batch's summed loss; a method so that tests/train_nonfinite.py and train_crash.py can poison it."""
+        return model_loss(self.parts.model, batch)[1]
+
+    def run(self, step: int, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        """Step `step` on `micro_batches`, the step after it read meanwhile (or, after a skipped last step, its retry's)."""
+        parts = self.parts
+        reset_peak_memory(parts.device)
+        with self.profiler.step(step):
+            t_start = time.perf_counter()
+            self.float8.arm_health(parts.model, step, parts.device)
+            t_launch = self.timer.mark()
+            launched = train_step(self.loss_sum, micro_batches, parts, self.timer)
+            t_done = self.timer.mark()
+            last = step == self.last_step
+            t_data = time.perf_counter()
+            upcoming = None if last else self.reader.read()  # read while the device runs the update
+            data_seconds = time.perf_counter() - t_data
+            loss, grad_norm, applied = finish_step(launched, parts)
+            if last and not applied:  # a skipped step is retried on the next batches
+                upcoming = self.reader.read()
+        seconds = time.perf_counter() - t_start
+        health = self.float8.read_health()
+        for message in health.warnings if self.is_main else ():
+            warn(message)
+        return StepResult(
+            step=step, loss=loss, grad_norm=grad_norm, applied=applied, seconds=seconds, data_seconds=data_seconds,
+            phases=PhaseMarks(self.timer, t_launch, launched.t_backward, t_done), upcoming=upcoming,
+            float8_health=health.metrics,
+        )
+
+
+def skip_or_stop(result: StepResult, in_a_row: int, limit: int, is_main: bool) -> None:
     """A step left unapplied for a non-finite loss or grad norm: warn, or stop past `limit` of them in a row
     (training.skip_nonfinite_steps)."""
-    step, loss, grad_norm = outcome.step, outcome.loss, outcome.grad_norm
+    step, loss, grad_norm = result.step, result.loss, result.grad_norm
     which, value = ("loss", loss) if not math.isfinite(loss) else ("grad_norm", grad_norm)
     if in_a_row > limit:
         allowed = f" ({in_a_row} in a row, training.skip_nonfinite_steps = {limit})" if limit else ""

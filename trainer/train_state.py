@@ -1,6 +1,7 @@
-"""The loop's state besides model and optimizer: its counters, its seeding, and stop requests.
+"""The loop's state besides model and optimizer: its counters, its progress, its seeding, and stop requests.
 
-`TrainState` is what a checkpoint records of the loop (extra.json). `StopRequest` turns
+`TrainState` is what a checkpoint records of the loop (extra.json); `LoopProgress` is where the loop
+stands, what the crash handler reads to save the last completed step. `StopRequest` turns
 SIGTERM/SIGINT/SIGHUP into a flag that every rank agrees on at the end of a step, so all ranks
 finish the same step, save together and exit 0.
 """
@@ -31,6 +32,35 @@ class TrainState:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step = int(sd["step"])
         self.tokens_seen = int(sd["tokens_seen"])
+
+
+@dataclasses.dataclass
+class LoopProgress:
+    """Where the loop stands: the checkpointed counters, the loader state a save of the last counted step
+    records, and this run's own counts (not checkpointed: a resumed run counts afresh)."""
+
+    counters: TrainState
+    # The loader state after the batches of the step being run (or last counted): what a checkpoint of
+    # that step records, although the next step's batches are read meanwhile. None until the loop reads.
+    data_state: dict[str, Any] | None = None
+    first_step: int = 0
+    start_time: float = 0.0
+    skipped_total: int = 0
+    skipped_in_a_row: int = 0
+
+    def begin(self, now: float) -> None:
+        """The loop starts (after any resume) at the step after the counters'."""
+        self.first_step, self.start_time = self.counters.step + 1, now
+
+    def count(self, step: int, applied: bool, tokens: int) -> None:
+        """A step ran on `tokens` tokens: an applied one moves the step on, a skipped one is counted."""
+        self.counters.tokens_seen += tokens
+        if applied:
+            self.counters.step = step
+            self.skipped_in_a_row = 0
+        else:
+            self.skipped_total += 1
+            self.skipped_in_a_row += 1
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

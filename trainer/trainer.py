@@ -1,8 +1,9 @@
 """The training loop and the build order that precedes it.
 
-Build order (docs/design.md): tokenizer + data -> model on meta -> float8 conversion ->
-FLOPs per token -> TP -> AC -> compile -> FSDP2 -> materialise + init/load ->
-optimizer and LR schedule -> (resume) -> loop, with the float8 post-step hook.
+Build order (docs/design.md): the plan (trainer/plan.py: layout, precision, float8 choices, memory
+estimate, tokenizer) -> process group -> data -> model on meta -> float8 conversion -> TP -> AC ->
+compile -> FSDP2 -> materialise + init/load -> optimizer and LR schedule -> (resume) -> loop
+(trainer/step.py's StepRunner, with the float8 post-step hook).
 """
 
 from __future__ import annotations
@@ -12,46 +13,33 @@ import functools
 import time
 from pathlib import Path
 
-import torch
-
-from models.llama import num_params
 from trainer.checkpoint.context import CheckpointContext, checkpoint_folder
 from trainer.checkpoint.initial_weights import check_initial_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.config import Config, check_layout, notes, to_toml
+from trainer.config import Config, to_toml
 from trainer.data.exchange import world_exchange
 from trainer.data.run_loaders import data_summary, run_loader
 from trainer.data.run_loaders import (
     sft_options as sft_options,  # scripts and tests import it from here
 )
-from trainer.data.tokenizer import Tokenizer
 from trainer.distributed import process_group
-from trainer.distributed.memory_plan import check_plan
+from trainer.distributed.memory_plan import check_fits
 from trainer.distributed.parallelize import parallelize_llama
-from trainer.distributed.single_rank_fast_path import choose_fast_path
 from trainer.errors import UserError
-from trainer.float8_seam.seam import Float8RunContext, build_seam, float8_memory
-from trainer.launch import launch_world_size, pick_device_type
+from trainer.launch import launch_world_size
 from trainer.log import info, warn
-from trainer.loss import cross_entropy_sum
-from trainer.metrics.logger import (
-    MetricsLogger,
-    StepTimer,
-    flops_per_token,
-    gpu_bf16_peak_flops,
-    memory_stats,
-    reset_peak_memory,
-)
+from trainer.metrics.logger import MetricsLogger, gpu_bf16_peak_flops, memory_stats
 from trainer.metrics.profiling import StepProfiler
 from trainer.metrics.wandb_sink import check_installed
-from trainer.model_setup import build_meta_model, init_weights, model_args_for
+from trainer.model_setup import build_meta_model, init_weights
 from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.precision import TORCH_DTYPES, resolve_param_precision
-from trainer.run_facts import RunFacts, startup_summary
+from trainer.plan import RunPlan
+from trainer.precision import TORCH_DTYPES
+from trainer.run_facts import startup_summary
 from trainer.run_folder import FolderWatch, deleted, inside, keep_records
-from trainer.step import LoopProgress, StepOutcome, StepParts, finish_step, skip_or_stop, train_step
+from trainer.step import BatchReader, StepParts, StepResult, StepRunner, skip_or_stop
 from trainer.threads import raise_thread_failure
-from trainer.train_state import StopRequest, TrainState, seed_everything
+from trainer.train_state import LoopProgress, StopRequest, TrainState, seed_everything
 from trainer.validation import Validator
 
 
@@ -60,84 +48,65 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self._resolve_layout()
+        self.plan = plan = self._start()
         self._build_data()
-        model = build_meta_model(self.model_args)
-        # Float8 off gives a no-op seam: nothing below asks whether float8 is on.
-        self.float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, self.device.type, self.param_precision.dtype))
-        self.float8.convert(model)
-        self.facts = RunFacts.for_run(
-            cfg, self.world_size, self.dp, self.tp, self.param_precision.dtype,
-            self.float8.run_name_precision(self.param_precision.dtype), num_params(model),
-            flops_per_token(num_params(model, exclude_embedding=True), self.model_args.n_layers, self.model_args.dim,
-                            cfg.training.seq_len),
-        )
+        model = build_meta_model(plan.model_args)
+        plan.float8.convert(model)
         # Before any weight is allocated: the advice refuses float8 on GPUs without float8 GEMMs.
-        self.advice = [*notes(cfg), *self.float8.advice(self.device, self.dp, self.tp)]
-        if self.param_precision.warning:
-            self.advice.insert(0, self.param_precision.warning)
+        self.advice = plan.warnings(self.device)
         self.model = parallelize_llama(
-            model, self.mesh, tp_styles=self.float8.tp_styles(), vocab_sharded_logits=self.vocab_sharded_logits,
+            model, self.mesh, tp_styles=plan.float8.tp_styles(), vocab_sharded_logits=plan.vocab_sharded_logits,
             activation_checkpoint=cfg.activation_checkpoint, compile_config=cfg.compile,
-            param_dtype=TORCH_DTYPES[self.param_precision.dtype],
-            reduce_dtype=TORCH_DTYPES[cfg.training.mixed_precision_reduce],
-            reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=self.fast_path.on,
+            param_dtype=TORCH_DTYPES[plan.params.dtype], reduce_dtype=TORCH_DTYPES[cfg.training.mixed_precision_reduce],
+            reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=plan.fast_path.on,
         )
-        init_weights(self.model, self.model_args, cfg.training.seed, self.device)
+        init_weights(self.model, plan.model_args, cfg.training.seed, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.state = TrainState()
+        self.progress = LoopProgress(self.state)
         self.device_name, self.peak_flops = gpu_bf16_peak_flops(self.device)
+        facts = plan.facts
         self.checkpointer = CheckpointManager(
             model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, dataloader=self.dataloader,
             train_state=self.state, context=CheckpointContext.for_run(
-                cfg, self.model_args, self.dist, self.dp, self.tp, self.facts.global_batch
+                cfg, plan.model_args, self.dist, facts.dp, facts.tp, facts.global_batch, plan.tokenizer
             ),
         )
         self.stop_request = StopRequest(self.device, saving=cfg.checkpoint.enable)
-        self.timer = StepTimer(self.device)
         self.parts = StepParts(
-            self.model, self.optimizer, self.lr_scheduler, self.float8.post_optimizer_step, self.device,
-            self.mesh["dp"].get_group(), self.dp, self.vocab_sharded_logits, cfg.training.max_norm,
+            self.model, self.optimizer, self.lr_scheduler, plan.float8.post_optimizer_step, self.device,
+            self.mesh["dp"].get_group(), facts.dp, plan.vocab_sharded_logits, cfg.training.max_norm,
         )
 
     # -- setup helpers -------------------------------------------------------
 
-    def _resolve_layout(self) -> None:
-        """Device, parameter dtype, model shape and DP x TP layout, then the process group and mesh.
+    def _start(self) -> RunPlan:
+        """The run's plan, then the process group and mesh.
 
-        Checks that need no process group come first: a bad layout or tokenizer then fails on
-        every rank before any rank waits for the others.
+        Checks that need no process group come first (the plan's, the initial weights'): a bad layout
+        or tokenizer then fails on every rank before any rank waits for the others.
         """
         cfg = self.cfg
-        device_type = pick_device_type(cfg.training.device)
-        if device_type == "cuda" and not torch.cuda.is_available():
-            raise UserError("training.device = 'cuda' but no CUDA device is available")
-        self.param_precision = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
-        self.tokenizer = Tokenizer(cfg.model.tokenizer_path)
         check_installed(cfg.metrics)
-        self.model_args = model_args_for(cfg, self.tokenizer.n_words, device_type)
-        check_initial_weights_fit(cfg.checkpoint, checkpoint_folder(cfg), self.model_args)
-        self.world_size = launch_world_size()
-        self.dp, self.tp = check_layout(cfg, self.world_size, self.model_args.n_heads, self.model_args.n_kv_heads)
-        self.vocab_sharded_logits = self.tp > 1 and cfg.parallelism.loss_parallel
-        self.fast_path = choose_fast_path(cfg.parallelism.single_rank_fast_path, self.dp)
-        self.dist = process_group.init_distributed(device_type)
+        plan = RunPlan.resolve(cfg, launch_world_size())
+        check_initial_weights_fit(cfg.checkpoint, checkpoint_folder(cfg), plan.model_args)
+        self.dist = process_group.init_distributed(plan.device_type)
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # Before the data is read and any weight allocated: a plan whose memory cannot fit is
         # refused with the numbers (trainer/distributed/memory_plan.py).
-        self.memory, _ = check_plan(cfg, self.model_args, self.device, self.dp, self.tp, self.param_precision.dtype,
-                                    self.vocab_sharded_logits, float8_memory(cfg.float8))
+        check_fits(plan.memory, self.device)
         seed_everything(cfg.training.seed, cfg.training.deterministic)
-        self.mesh = process_group.build_mesh(device_type, self.dp, self.tp)
+        self.mesh = process_group.build_mesh(plan.device_type, plan.facts.dp, plan.facts.tp)
         self.dp_rank = self.mesh["dp"].get_local_rank()
+        return plan
 
     def _build_data(self) -> None:
-        cfg = self.cfg
+        cfg, plan = self.cfg, self.plan
         # One gloo group for the training and held-out loaders: they read in turn, on this thread,
         # in the same order on every rank.
         self.data_exchange = world_exchange()
-        loader = functools.partial(run_loader, cfg, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp=self.dp,
+        loader = functools.partial(run_loader, cfg, tokenizer=plan.tokenizer, dp_rank=self.dp_rank, dp=plan.facts.dp,
                                    exchange=self.data_exchange, verbose=self.is_main)
         self.dataloader = loader("data", cfg.data.num_workers)
         self.validator = None
@@ -145,7 +114,7 @@ class Trainer:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
                 cfg.validation, loader("validation", 0), cfg.training.steps, device=self.device,
-                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=self.vocab_sharded_logits,
+                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=plan.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
 
@@ -153,32 +122,22 @@ class Trainer:
         """The config as the run uses it: the resolved parameter dtype, and after a resume the
         checkpoint's optimizer settings. `cfg` itself is never written."""
         cfg = self.cfg
-        training = dataclasses.replace(cfg.training, mixed_precision_param=self.param_precision.dtype)
+        training = dataclasses.replace(cfg.training, mixed_precision_param=self.plan.params.dtype)
         optimizer = dataclasses.replace(cfg.optimizer, **self.checkpointer.optimizer_in_force)
         return dataclasses.replace(cfg, training=training, optimizer=optimizer)
 
     def _startup_summary(self) -> None:
-        params = f"params {self.facts.param_dtype} ({self.param_precision.reason})"
+        plan, args = self.plan, self.plan.model_args
         peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
         lines = startup_summary(
-            self.facts, self.cfg, self.model_args.n_layers, self.model_args.attention, f"{self.device_name} ({peak})",
-            self.float8.describe(params), self.memory.summary(), self.fast_path.text,
+            plan.facts, self.cfg, args.n_layers, args.attention, f"{self.device_name} ({peak})",
+            plan.precision.summary, plan.memory.summary(), plan.fast_path.text,
         )
         lines += data_summary(self.cfg, self.dataloader, self.validator.loader if self.validator else None)
-        for line in lines + self.float8.summary_lines():
+        for line in lines + plan.float8.summary_lines():
             info(line)
 
     # -- the loop ------------------------------------------------------------
-
-    def _next_micro_batches(self, data_iter) -> list[dict[str, torch.Tensor]]:
-        try:
-            return [next(data_iter) for _ in range(self.cfg.training.gradient_accumulation_steps)]
-        except StopIteration:
-            raise UserError(f"data.path '{self.cfg.data.path}' produced no batches") from None
-
-    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
-        return cross_entropy_sum(self.model(batch["input_ids"], **kwargs), batch["labels"])
 
     def _save_last_step(self, why_not: str | None = None) -> str:
         """Save the last completed step of a run about to stop, unless `why_not`; what its line says of it."""
@@ -186,14 +145,14 @@ class Trainer:
             return "no checkpoint (checkpointing disabled)"
         if why_not:
             return f"no checkpoint saved ({why_not})"
-        self.checkpointer.maybe_save(self.data_state, force=True)
+        self.checkpointer.maybe_save(self.progress.data_state, force=True)
         return f"checkpoint of step {self.state.step} saved"
 
-    def _stop_on_data_error(self, error: UserError, first_step: int) -> None:
+    def _stop_on_data_error(self, error: UserError) -> None:
         """Save the last completed step, then stop naming the step whose batches hit the bad row (every rank
         learns of each row in the same exchange round, trainer/data/loader.py, so all ranks save together)."""
         step = self.state.step
-        saved = self._save_last_step(None if step >= first_step else "no step completed in this run")
+        saved = self._save_last_step(None if step >= self.progress.first_step else "no step completed in this run")
         raise UserError(f"step {step + 1}: {error}; {saved} (data.bad_rows = \"skip\" skips such rows)")
 
     def _open_records(self, resumed: bool) -> MetricsLogger:
@@ -209,7 +168,7 @@ class Trainer:
             (dump / "config.toml").write_text(config_text)
             self.dump_watch = FolderWatch(dump)
         metrics = self.cfg.metrics
-        return MetricsLogger(str(dump), self.facts.run_name, metrics.enable_tensorboard, self.is_main,
+        return MetricsLogger(str(dump), self.plan.facts.run_name, metrics.enable_tensorboard, self.is_main,
                              config_text=config_text, resume_step=self.state.step if resumed else None,
                              wandb_project=metrics.wandb_project if metrics.enable_wandb else None)
 
@@ -231,97 +190,50 @@ class Trainer:
             logger.close()
 
     def _loop(self, logger: MetricsLogger, profiler: StepProfiler) -> None:
-        """Steps until training.steps or a stop request: train step, record, save."""
-        data_iter = iter(self.dataloader)
-        run = LoopProgress(first_step=self.state.step + 1, start_time=time.perf_counter())
-        try:
-            micro_batches = self._next_micro_batches(data_iter)
-        except UserError as e:
-            raise UserError(f"step {run.first_step}: {e}") from None
-        # The loader state after the batches of the step about to run: what a checkpoint
-        # of that step records, although the next step's batches are read meanwhile.
-        self.data_state = self.dataloader.state_dict()
-        while self.state.step < self.cfg.training.steps:
-            outcome = self._timed_step(micro_batches, data_iter, profiler)
-            self._count(outcome, run)
-            self._record(outcome, run, logger)
-            if outcome.data_error is not None:
-                self._stop_on_data_error(outcome.data_error, run.first_step)
+        """Steps until training.steps or a stop request: train step, count, record, save."""
+        progress, steps = self.progress, self.cfg.training.steps
+        progress.begin(time.perf_counter())
+        reader = BatchReader(self.dataloader, self.cfg.training.gradient_accumulation_steps, self.cfg.data.path)
+        runner = StepRunner(self.parts, reader, self.plan.float8, profiler, steps, self.is_main)
+        first = reader.read()
+        if first.error is not None:
+            raise UserError(f"step {progress.first_step}: {first.error}")
+        micro_batches, progress.data_state = first.micro_batches, first.data_state
+        while self.state.step < steps:
+            result = runner.run(self.state.step + 1, micro_batches)
+            progress.count(result.step, result.applied, self.plan.facts.tokens_per_step)
+            if not result.applied:
+                skip_or_stop(result, progress.skipped_in_a_row, self.cfg.training.skip_nonfinite_steps, self.is_main)
+            self._record(result, logger)
+            if result.data_error is not None:
+                self._stop_on_data_error(result.data_error)
             if self._save_or_stop():
                 break
-            if self.state.step < self.cfg.training.steps:
-                micro_batches, self.data_state = outcome.next_batches, outcome.next_state
+            if self.state.step < steps:
+                micro_batches, progress.data_state = result.upcoming.micro_batches, result.upcoming.data_state
 
-    def _timed_step(self, micro_batches: list[dict[str, torch.Tensor]], data_iter, profiler: StepProfiler) -> StepOutcome:
-        """One step, then the next step's batches, read while the device runs the optimizer step."""
-        step = self.state.step + 1
-        reset_peak_memory(self.device)
-        outcome = StepOutcome(step=step)
-        with profiler.step(step):
-            outcome.t_start = time.perf_counter()
-            self.float8.arm_health(self.model, step, self.device)
-            t_launch = self.timer.mark()
-            launched = train_step(self._loss_sum, micro_batches, self.parts, self.timer)
-            t_done = self.timer.mark()
-            last = step == self.cfg.training.steps
-            t_data = time.perf_counter()
-            if not last:  # read while the device runs the update
-                self._read_next_batches(outcome, data_iter)
-            outcome.data_time = time.perf_counter() - t_data
-            outcome.loss, outcome.grad_norm, outcome.applied = finish_step(launched, self.parts)
-            if last and not outcome.applied:  # a skipped step is retried on the next batches
-                self._read_next_batches(outcome, data_iter)
-        outcome.t_end = time.perf_counter()
-        outcome.marks = (t_launch, launched.t_backward, t_done)
-        health = self.float8.read_health()
-        outcome.float8_health = health.metrics
-        for message in health.warnings if self.is_main else ():
-            warn(message)
-        return outcome
-
-    def _read_next_batches(self, outcome: StepOutcome, data_iter) -> None:
-        try:
-            outcome.next_batches = self._next_micro_batches(data_iter)
-            outcome.next_state = self.dataloader.state_dict()
-        except UserError as e:  # a bad data row: this step is still completed and saved
-            outcome.data_error = e
-
-    def _count(self, outcome: StepOutcome, run: LoopProgress) -> None:
-        """Advance the counters: an applied step moves the step on, a skipped one may stop the run."""
-        self.state.tokens_seen += self.facts.tokens_per_step
-        if outcome.applied:
-            self.state.step = outcome.step
-            run.skipped_in_a_row = 0
-        else:
-            run.skipped_total += 1
-            run.skipped_in_a_row += 1
-            skip_or_stop(outcome, run.skipped_in_a_row, self.cfg.training.skip_nonfinite_steps, self.is_main)
-
-    def _record(self, outcome: StepOutcome, run: LoopProgress, logger: MetricsLogger) -> None:
+    def _record(self, result: StepResult, logger: MetricsLogger) -> None:
         """Evaluate when due, and log the step's metrics on the logged steps."""
-        step, steps = outcome.step, self.cfg.training.steps
-        if not outcome.applied:
+        step, steps, progress = result.step, self.cfg.training.steps, self.progress
+        if not result.applied:
             return
         validation = self.validator.evaluate(self.model, step) if self.validator and self.validator.due(step) else {}
         if not (step == 1 or step % self.cfg.metrics.log_freq == 0 or step == steps or validation
-                or outcome.float8_health):
+                or result.float8_health):
             return
-        step_time = outcome.t_end - outcome.t_start
-        tps = self.facts.tokens_per_gpu / step_time
-        tflops = tps * self.facts.flops_per_token / 1e12
-        t_launch, t_backward, t_done = outcome.marks
+        tps = self.plan.facts.tokens_per_gpu / result.seconds
+        tflops = tps * self.plan.facts.flops_per_token / 1e12
         record = {
-            "step": step, "loss": outcome.loss, "grad_norm": outcome.grad_norm,
+            "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
             "lr": self.lr_scheduler.get_last_lr()[0], "tps": tps, "tflops": tflops,
             "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
-            "step_time_s": step_time, "data_time_s": outcome.data_time,
-            "fwd_bwd_time_s": self.timer.seconds(t_launch, t_backward),
-            "optim_time_s": self.timer.seconds(t_backward, t_done),
-            **memory_stats(self.device), "tokens_seen": self.state.tokens_seen,
-            "skipped_steps": run.skipped_total, **self.dataloader.dataset.metrics(self.data_state["dataset_state"]),
-            **validation, **outcome.float8_health,
+            "step_time_s": result.seconds, "data_time_s": result.data_seconds,
+            "fwd_bwd_time_s": result.phases.forward_backward_s(), "optim_time_s": result.phases.optimizer_s(),
+            **memory_stats(self.device), "tokens_seen": self.state.tokens_seen, "skipped_steps": progress.skipped_total,
+            **self.dataloader.dataset.metrics(progress.data_state["dataset_state"]),
+            **validation, **result.float8_health,
         }
-        eta = (time.perf_counter() - run.start_time) / (step - run.first_step + 1) * (steps - step)
+        eta = (time.perf_counter() - progress.start_time) / (step - progress.first_step + 1) * (steps - step)
         logger.log(record, steps, eta)
 
     def _save_or_stop(self) -> bool:
@@ -334,7 +246,7 @@ class Trainer:
         # An exception that ended a background thread (TensorBoard's writer on a full disk) ends the run.
         raise_thread_failure()
         step = self.state.step
-        self.checkpointer.maybe_save(self.data_state, force=stop or step == self.cfg.training.steps)
+        self.checkpointer.maybe_save(self.progress.data_state, force=stop or step == self.cfg.training.steps)
         if stop and self.is_main:
             saved = "checkpoint saved" if self.cfg.checkpoint.enable else "no checkpoint (checkpointing disabled)"
             info(f"stopped at step {step} on request; {saved}")

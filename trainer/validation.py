@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import ValidationConfig
 from trainer.log import info
-from trainer.loss import IGNORE_INDEX, cross_entropy_sum, loss_context
+from trainer.loss import IGNORE_INDEX, loss_context, model_loss
 
 
 class Validator:
@@ -90,12 +90,10 @@ class Validator:
             yield batch
 
     def _sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         labels = batch["labels"]
         targets = labels != IGNORE_INDEX
         with loss_context(self.vocab_sharded_logits):
-            logits = model(batch["input_ids"], **kwargs)
-            loss_sum = cross_entropy_sum(logits, labels)
+            logits, loss_sum = model_loss(model, batch)
         correct = torch.zeros((), device=self.device)
         if self.accuracy:
             # Vocab-sharded logits are gathered for the argmax: only at evaluation, without grads.

@@ -60,7 +60,8 @@ class CheckpointContext:
 
     @classmethod
     def for_run(
-        cls, cfg: Config, model_args: LlamaArgs, ranks: DistInfo, dp: int, tp: int, global_batch: int
+        cls, cfg: Config, model_args: LlamaArgs, ranks: DistInfo, dp: int, tp: int, global_batch: int,
+        tokenizer: Tokenizer,
     ) -> CheckpointContext:
         # A collective: a fresh run's new id is rank 0's on every rank.
         new_id: list[Any] = [new_run_id()]
@@ -71,7 +72,7 @@ class CheckpointContext:
             global_batch=global_batch, training_steps=cfg.training.steps,
             schedule=schedule_values(cfg.lr_scheduler, cfg.training.steps), optimizer=cfg.optimizer, model_args=model_args,
             run=RunIdentity.of_dump_folder(Path(cfg.job.dump_folder), cfg.to_dict(), new_id[0]),
-            tokenizer=Tokenizer(cfg.model.tokenizer_path).identity(),
+            tokenizer=tokenizer.identity(),
             data=DataSource(cfg.data.path, cfg.data.format).identity(),
         )
 

@@ -74,7 +74,7 @@ ACTIVATION_BYTES = {
 }
 # AC full keeps each block's input (one bf16 tensor) and recomputes the rest one block at a time.
 FULL_AC_BLOCK_INPUT_BYTES = 2.0
-# _loss_sum: bf16 logits, their fp32 upcast, and the fp32 log-softmax cross_entropy saves.
+# model_loss (trainer/loss.py): bf16 logits, their fp32 upcast, and the fp32 log-softmax cross_entropy saves.
 LOGIT_BYTES = 2 + 4 + 4
 
 
@@ -199,16 +199,9 @@ def fit_error(est: MemoryEstimate, what: str, capacity_bytes: float) -> str | No
     )
 
 
-def check_plan(
-    cfg: Config, args: LlamaArgs, device: torch.device, dp: int, tp: int, param_dtype: str,
-    vocab_sharded_logits: bool, float8: Float8Memory, refuse: bool = True,
-) -> tuple[MemoryEstimate, str | None]:
-    """The estimate for this config on this device, and the refusal when it cannot fit.
-
-    With refuse (the default) the refusal is raised as a UserError; otherwise it is returned.
-    """
-    est = estimate_for(cfg, args, device.type, dp, tp, param_dtype, vocab_sharded_logits, float8)
+def check_fits(est: MemoryEstimate, device: torch.device, refuse: bool = True) -> str | None:
+    """The refusal when `est` cannot fit `device`: raised as a UserError with refuse (the default), else returned."""
     error = fit_error(est, *capacity(device))
     if error and refuse:
         raise UserError(error)
-    return est, error
+    return error
