@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.cells import (  # noqa: E402
+from scripts.harness.cells import (  # noqa: E402
     COMPILE_MODES,
     PRECISIONS,
     ArgParser,

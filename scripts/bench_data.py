@@ -57,7 +57,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.cells import keep_earlier_results  # noqa: E402
+from scripts.harness.cells import keep_earlier_results  # noqa: E402
 from trainer.config import build_config  # noqa: E402
 from trainer.data.exchange import ThreadExchange, world_exchange  # noqa: E402
 from trainer.data.loader import build_dataloader  # noqa: E402

@@ -37,9 +37,9 @@ if str(ROOT) not in sys.path:
 
 from models.llama import LLAMA2_FLAVORS, TransformerBlock  # noqa: E402
 from models.llama.model import precompute_rope  # noqa: E402
-from scripts.bench_float8_report import add_speedups, print_report  # noqa: E402
-from scripts.cells import keep_earlier_results  # noqa: E402
-from scripts.float8_impls import IMPLS, ReferenceMissing, convert, torchao_version  # noqa: E402
+from scripts.harness.cells import keep_earlier_results  # noqa: E402
+from scripts.harness.float8_bench.impls import IMPLS, ReferenceMissing, convert, torchao_version  # noqa: E402
+from scripts.harness.float8_bench.report import add_speedups, print_report  # noqa: E402
 from scripts.profile_summary import CLASSES, load_trace  # noqa: E402
 from scripts.profile_summary import summarize as summarize_trace  # noqa: E402
 

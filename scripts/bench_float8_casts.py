@@ -29,7 +29,7 @@ from float8.operands import Operand, cast_weight_with_scale, operands_both, tran
 from float8.recipe import RECIPES  # noqa: E402
 from float8.scaling import E4M3, cast_with_scale  # noqa: E402
 from scripts.bench_float8 import Timer  # noqa: E402
-from scripts.cells import keep_earlier_results  # noqa: E402
+from scripts.harness.cells import keep_earlier_results  # noqa: E402
 
 BACKENDS = ("triton", "compiled", "plain")
 TOKENS = 8192

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.cells import (  # noqa: E402
+from scripts.harness.cells import (  # noqa: E402
     BASELINE,
     COMPILE_MODES,
     PRECISIONS,
@@ -56,9 +56,9 @@ from scripts.cells import (  # noqa: E402
     read_metrics,
     split_train_args,
 )
-from scripts.compare_run import CellResult, run_cell  # noqa: E402
-from scripts.loss_chart import write_chart  # noqa: E402
-from scripts.loss_report import (  # noqa: E402
+from scripts.harness.compare.run import CellResult, run_cell  # noqa: E402
+from scripts.harness.loss.chart import write_chart  # noqa: E402
+from scripts.harness.loss.report import (  # noqa: E402
     DEFAULT_TOLERANCE_PCT,
     PartError,
     build_report,
@@ -67,7 +67,7 @@ from scripts.loss_report import (  # noqa: E402
     render_markdown,
     render_table,
 )
-from scripts.loss_series import default_window, run_label, series_of  # noqa: E402
+from scripts.harness.loss.series import default_window, run_label, series_of  # noqa: E402
 
 DEFAULT_STEPS = 1000
 DEFAULT_COMPILE = "block"

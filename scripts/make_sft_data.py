@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
+from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
 
 WORDS = [
     "cat", "dog", "cow", "duck", "owl", "fox", "bear", "bee", "pig", "hen",

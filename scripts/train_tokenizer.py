@@ -25,7 +25,7 @@ import sentencepiece as spm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite
+from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite
 from trainer.data.loader import BadRow, DataSource
 from trainer.data.sft import SFTOptions, detect_format, parse_row, turn_strings
 from trainer.errors import UserError

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from scripts import cells
-from scripts import compare_chart as chart
-from scripts import compare_report as rep
-from scripts import compare_run as cr
 from scripts import compare_throughput as ct
 from scripts import profile_summary as ps
+from scripts.harness import cells
+from scripts.harness.compare import chart as chart
+from scripts.harness.compare import report as rep
+from scripts.harness.compare import run as cr
 from tests.helpers import ROOT
 from tests.test_profile_summary import EXPECTED, synthetic_trace
 from trainer.config import build_config

@@ -12,10 +12,10 @@ import pytest
 
 from scripts import convert_weights
 from scripts import gpu_check as gc
-from scripts import gpu_check_checks as checks
-from scripts import gpu_check_runs as runs
-from scripts.cells import BadArgs
-from scripts.gpu_check_report import Row, render_table
+from scripts.harness.cells import BadArgs
+from scripts.harness.gpu_check import checks as checks
+from scripts.harness.gpu_check import runs as runs
+from scripts.harness.gpu_check.report import Row, render_table
 from tests.helpers import ROOT
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import (
+from scripts.harness.cells import (
     DEFAULT_IMPL,
     cell_overrides,
     display_command,

@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import BASELINE, PRECISIONS, load_json_file
-from scripts.compare_report import format_number
-from scripts.loss_seeds import render_seeds, seed_summary, seed_verdict
-from scripts.loss_series import (
+from scripts.harness.cells import BASELINE, PRECISIONS, load_json_file
+from scripts.harness.compare.report import format_number
+from scripts.harness.loss.seeds import render_seeds, seed_summary, seed_verdict
+from scripts.harness.loss.series import (
     baseline_of,
     moving_average,
     relative_gap_pct,

@@ -10,7 +10,7 @@ import math
 import statistics
 from typing import Any
 
-from scripts.cells import BASELINE
+from scripts.harness.cells import BASELINE
 
 
 def default_window(steps: int) -> int:

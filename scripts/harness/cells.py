@@ -34,7 +34,7 @@ from trainer.errors import UserError
 from trainer.records import set_aside
 from trainer.run_folder import check_writable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRECISIONS = ("bf16", *typing.get_args(Float8Scaling))
 COMPILE_MODES = typing.get_args(CompileMode)
 IMPLS = typing.get_args(Float8Impl)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 
-from scripts.cells import BadArgs, refuse_to_overwrite
+from scripts.harness.cells import BadArgs, refuse_to_overwrite
 from trainer.data.globbing import SPECIAL_FILESYSTEMS, glob_files, glob_root
 
 HELDOUT_NAME = "valid"
