@@ -25,11 +25,7 @@ import time
 import typing
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.harness.cells import (  # noqa: E402
+from scripts.harness.cells import (
     COMPILE_MODES,
     PRECISIONS,
     ArgParser,
@@ -42,7 +38,9 @@ from scripts.harness.cells import (  # noqa: E402
     run_logged,
     train_launcher,
 )
-from trainer.config import ActivationCheckpointMode  # noqa: E402
+from trainer.config import ActivationCheckpointMode
+
+ROOT = Path(__file__).resolve().parents[1]
 
 AC_MODES = typing.get_args(ActivationCheckpointMode)
 # Every cell folder a benchmark can leave in --out, whatever its lists were, and its results.

@@ -54,14 +54,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from scripts.harness.cells import keep_earlier_results
+from trainer.config import build_config
+from trainer.data.exchange import ThreadExchange, world_exchange
+from trainer.data.loader import build_dataloader
+from trainer.data.tokenizer import Tokenizer
 
-from scripts.harness.cells import keep_earlier_results  # noqa: E402
-from trainer.config import build_config  # noqa: E402
-from trainer.data.exchange import ThreadExchange, world_exchange  # noqa: E402
-from trainer.data.loader import build_dataloader  # noqa: E402
-from trainer.data.tokenizer import Tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class CountingTokenizer(Tokenizer):

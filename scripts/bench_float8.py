@@ -31,17 +31,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from models.llama import LLAMA2_FLAVORS, TransformerBlock  # noqa: E402
-from models.llama.model import precompute_rope  # noqa: E402
-from scripts.harness.cells import keep_earlier_results  # noqa: E402
-from scripts.harness.float8_bench.impls import IMPLS, ReferenceMissing, convert, torchao_version  # noqa: E402
-from scripts.harness.float8_bench.report import add_speedups, print_report  # noqa: E402
-from scripts.profile_summary import CLASSES, load_trace  # noqa: E402
-from scripts.profile_summary import summarize as summarize_trace  # noqa: E402
+from models.llama import LLAMA2_FLAVORS, TransformerBlock
+from models.llama.model import precompute_rope
+from scripts.harness.cells import keep_earlier_results
+from scripts.harness.float8_bench.impls import IMPLS, ReferenceMissing, convert, torchao_version
+from scripts.harness.float8_bench.report import add_speedups, print_report
+from scripts.profile_summary import CLASSES, load_trace
+from scripts.profile_summary import summarize as summarize_trace
 
 MODES = ("bf16", "tensorwise", "rowwise", "rowwise_gw_hp")
 VARIANTS = ("eager", "compiled")

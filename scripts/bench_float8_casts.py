@@ -21,15 +21,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from float8.operands import Operand, cast_weight_with_scale, operands_both, transposed  # noqa: E402
-from float8.recipe import RECIPES  # noqa: E402
-from float8.scaling import E4M3, cast_with_scale  # noqa: E402
-from scripts.bench_float8 import Timer  # noqa: E402
-from scripts.harness.cells import keep_earlier_results  # noqa: E402
+from float8.operands import Operand, cast_weight_with_scale, operands_both, transposed
+from float8.recipe import RECIPES
+from float8.scaling import E4M3, cast_with_scale
+from scripts.bench_float8 import Timer
+from scripts.harness.cells import keep_earlier_results
 
 BACKENDS = ("triton", "compiled", "plain")
 TOKENS = 8192

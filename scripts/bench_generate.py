@@ -28,12 +28,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from models.llama import LLAMA2_FLAVORS, Transformer  # noqa: E402
-from models.llama.generation import generate, generate_without_cache  # noqa: E402
+from models.llama import LLAMA2_FLAVORS, Transformer
+from models.llama.generation import generate, generate_without_cache
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODES = ("recompute", "cache", "cache+graph", "cache+compile")

@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from float8 import RECIPES, Float8Config, Float8Linear
 

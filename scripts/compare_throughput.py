@@ -34,11 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.harness.cells import (  # noqa: E402
+from scripts.harness.cells import (
     BASELINE,
     COMPILE_MODES,
     DEFAULT_IMPL,
@@ -57,8 +53,8 @@ from scripts.harness.cells import (  # noqa: E402
     precision_label,
     split_train_args,
 )
-from scripts.harness.compare.chart import chart_data, chart_title, write_chart  # noqa: E402
-from scripts.harness.compare.report import (  # noqa: E402
+from scripts.harness.compare.chart import chart_data, chart_title, write_chart
+from scripts.harness.compare.report import (
     ResultFileError,
     Run,
     add_speedups,
@@ -69,7 +65,7 @@ from scripts.harness.compare.report import (  # noqa: E402
     render_table,
     report_json,
 )
-from scripts.harness.compare.run import run_cell  # noqa: E402
+from scripts.harness.compare.run import run_cell
 
 DEFAULT_STEPS = 20
 # What a comparison writes under --out (run_cell: runs/, tb/); the next comparison moves them aside.

@@ -22,16 +22,11 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.generate import add_model_flags, generate_with, model_from_opts, parse  # noqa: E402
-from trainer.data.sft import load_sft_rows, reference_answer, render_prompt  # noqa: E402
-from trainer.errors import UserError  # noqa: E402
-from trainer.trainer import sft_options  # noqa: E402
+from scripts.generate import add_model_flags, generate_with, model_from_opts, parse
+from trainer.data.sft import load_sft_rows, reference_answer, render_prompt
+from trainer.errors import UserError
+from trainer.trainer import sft_options
 
 
 def main(argv: list[str] | None = None) -> int:

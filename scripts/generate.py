@@ -36,23 +36,19 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from models.llama import Transformer, seeded_init  # noqa: E402
-from models.llama.generation import generate, generate_without_cache  # noqa: E402
-from models.llama.weight_conversion import WeightsError  # noqa: E402
-from models.llama.weight_files import check_finite, read_weights  # noqa: E402
-from trainer.checkpoint.dcp_reader import load_dcp_model  # noqa: E402
-from trainer.checkpoint.folder import step_folders  # noqa: E402
-from trainer.checkpoint.identity import check_tokenizer  # noqa: E402
-from trainer.checkpoint.initial_weights import check_weights_fit  # noqa: E402
-from trainer.config import Config, build_config  # noqa: E402
-from trainer.data.sft import turn_strings  # noqa: E402
-from trainer.data.tokenizer import Tokenizer  # noqa: E402
-from trainer.errors import UserError  # noqa: E402
-from trainer.model_setup import model_args_for  # noqa: E402
+from models.llama import Transformer, seeded_init
+from models.llama.generation import generate, generate_without_cache
+from models.llama.weight_conversion import WeightsError
+from models.llama.weight_files import check_finite, read_weights
+from trainer.checkpoint.dcp_reader import load_dcp_model
+from trainer.checkpoint.folder import step_folders
+from trainer.checkpoint.identity import check_tokenizer
+from trainer.checkpoint.initial_weights import check_weights_fit
+from trainer.config import Config, build_config
+from trainer.data.sft import turn_strings
+from trainer.data.tokenizer import Tokenizer
+from trainer.errors import UserError
+from trainer.model_setup import model_args_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

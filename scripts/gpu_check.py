@@ -33,12 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from models.llama import LLAMA2_FLAVORS  # noqa: E402
-from scripts.harness.cells import (  # noqa: E402
+from models.llama import LLAMA2_FLAVORS
+from scripts.harness.cells import (
     COMPILE_MODES,
     PRECISIONS,
     ArgParser,
@@ -49,9 +45,11 @@ from scripts.harness.cells import (  # noqa: E402
     keep_earlier_results,
     option_names,
 )
-from scripts.harness.gpu_check.checks import CKPT_STEP, PARITY_STEPS, WARMUP  # noqa: E402
-from scripts.harness.gpu_check.report import Row, render_markdown, render_table  # noqa: E402
-from scripts.harness.gpu_check.runs import GROUP_RUNNERS, cell_args  # noqa: E402
+from scripts.harness.gpu_check.checks import CKPT_STEP, PARITY_STEPS, WARMUP
+from scripts.harness.gpu_check.report import Row, render_markdown, render_table
+from scripts.harness.gpu_check.runs import GROUP_RUNNERS, cell_args
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GROUPS = tuple(GROUP_RUNNERS)  # in the order their rows run
 # What a check writes under --out (w/: sft's converted weights); the next check moves them aside.

@@ -36,11 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.harness.cells import (  # noqa: E402
+from scripts.harness.cells import (
     BASELINE,
     COMPILE_MODES,
     PRECISIONS,
@@ -56,9 +52,9 @@ from scripts.harness.cells import (  # noqa: E402
     read_metrics,
     split_train_args,
 )
-from scripts.harness.compare.run import CellResult, run_cell  # noqa: E402
-from scripts.harness.loss.chart import write_chart  # noqa: E402
-from scripts.harness.loss.report import (  # noqa: E402
+from scripts.harness.compare.run import CellResult, run_cell
+from scripts.harness.loss.chart import write_chart
+from scripts.harness.loss.report import (
     DEFAULT_TOLERANCE_PCT,
     PartError,
     build_report,
@@ -67,7 +63,7 @@ from scripts.harness.loss.report import (  # noqa: E402
     render_markdown,
     render_table,
 )
-from scripts.harness.loss.series import default_window, run_label, series_of  # noqa: E402
+from scripts.harness.loss.series import default_window, run_label, series_of
 
 DEFAULT_STEPS = 1000
 DEFAULT_COMPILE = "block"

@@ -24,13 +24,9 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.corpus import from_files  # noqa: E402
-from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
-from trainer.run_folder import check_writable  # noqa: E402
+from scripts.corpus import from_files
+from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite
+from trainer.run_folder import check_writable
 
 NAMES = [
     "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry", "Ivy", "Jack",

@@ -17,11 +17,7 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
+from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite
 
 WORDS = [
     "cat", "dog", "cow", "duck", "owl", "fox", "bear", "bee", "pig", "hen",

@@ -16,14 +16,11 @@ An existing --out is refused unless --force (checked before training).
 import argparse
 import io
 import itertools
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import sentencepiece as spm
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite
 from trainer.data.loader import BadRow, DataSource
