@@ -33,11 +33,13 @@ from torch import nn
 
 from models.llama import LLAMA2_FLAVORS, TransformerBlock
 from models.llama.model import precompute_rope
-from scripts.harness.cells import keep_earlier_results
+from scripts.harness.arguments import comma_names
 from scripts.harness.float8_bench.impls import IMPLS, ReferenceMissing, convert, torchao_version
 from scripts.harness.float8_bench.report import add_speedups, print_report
 from scripts.profile_summary import CLASSES, load_trace
 from scripts.profile_summary import summarize as summarize_trace
+from trainer.cli import ArgParser
+from trainer.run_folder import keep_earlier_results
 
 MODES = ("bf16", "tensorwise", "rowwise", "rowwise_gw_hp")
 VARIANTS = ("eager", "compiled")
@@ -192,23 +194,8 @@ def profile_step(step: Callable[[], None], device) -> dict[str, float]:
     return {CLASSES[k]: c["ms"] for k, c in summary["classes"].items() if c["count"]}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # One line naming the problem, not argparse's usage block.
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _choices(parser: _Parser, text: str, allowed: tuple[str, ...], option: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    for n in names or [""]:
-        if n not in allowed:
-            parser.error(f"{option}: unknown name {n!r} (choose from {', '.join(allowed)})")
-    return names
-
-
-def main() -> None:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("linears", "blocks"), help="run one section")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="eager,compiled or one of them")
@@ -219,9 +206,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script runs)")
     parser.add_argument("--profile", action="store_true", help="per-class kernel times of one compiled-block step")
     parser.add_argument("--out", default="bench_float8.json", help="JSON results file")
-    opts = parser.parse_args()
-    modes = _choices(parser, opts.modes, MODES, "--modes")
-    variants = _choices(parser, opts.variants, VARIANTS, "--variants")
+    opts = parser.parse_args(argv)
+    modes = comma_names(opts.modes, MODES, "--modes")
+    variants = comma_names(opts.variants, VARIANTS, "--variants")
     impls = list(IMPLS) if opts.impl == "both" else [opts.impl]
     versions = {"torch": torch.__version__}
     if "torchao" in impls:

@@ -25,7 +25,7 @@ from float8.operands import Operand, cast_weight_with_scale, operands_both, tran
 from float8.recipe import RECIPES
 from float8.scaling import E4M3, cast_with_scale
 from scripts.bench_float8 import Timer
-from scripts.harness.cells import keep_earlier_results
+from trainer.run_folder import keep_earlier_results
 
 BACKENDS = ("triton", "compiled", "plain")
 TOKENS = 8192
@@ -67,10 +67,10 @@ def cells(backends: list[str]) -> list[tuple[str, str, Callable[[], object], int
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_float8_casts.json")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)

@@ -25,8 +25,9 @@ import sys
 from pathlib import Path
 
 from scripts.corpus import from_files
-from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite
-from trainer.run_folder import check_writable
+from trainer.cli import ArgParser
+from trainer.errors import UserError
+from trainer.run_folder import check_writable, refuse_to_overwrite
 
 NAMES = [
     "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry", "Ivy", "Jack",
@@ -261,13 +262,13 @@ def main(argv: list[str] | None = None) -> int:
             from_files.write(*from_files.build(args))
             return 0
         if args.shards < 1 or (args.docs is not None and args.docs < 1):
-            raise BadArgs(f"--shards and --docs must be at least 1, got --shards {args.shards}, --docs {args.docs}")
+            raise UserError(f"--shards and --docs must be at least 1, got --shards {args.shards}, --docs {args.docs}")
         out = Path(args.out)
         check_writable(out, "--out")
         earlier = sorted(out.glob(f"{args.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))
         if not args.force:
             refuse_to_overwrite(earlier)
-    except BadArgs as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

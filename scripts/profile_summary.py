@@ -34,13 +34,14 @@ summarised by the self time of its CPU ops in the same classes.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import re
 import sys
 from pathlib import Path
 from typing import Any
+
+from trainer.cli import ArgParser
 
 CLASSES = {
     "gemm": "GEMM",
@@ -294,13 +295,6 @@ def summarize(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
     return result
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # One line, not argparse's usage block: bad input is reported like bad traces are.
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def _row(label: str, cells: list[str]) -> str:
     return f"{label:30}" + "".join(f"{c:>20}" for c in cells)
 
@@ -326,7 +320,7 @@ def render(paths: list[str], summaries: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser = ArgParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="profiles/step-N/rank-R.json[.gz]")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--top", type=int, default=5, help="list the N kernels (or CPU ops) with most time (default 5)")

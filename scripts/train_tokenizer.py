@@ -22,10 +22,11 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from scripts.harness.cells import ArgParser, BadArgs, refuse_to_overwrite
+from trainer.cli import ArgParser
 from trainer.data.loader import BadRow, DataSource
 from trainer.data.sft import SFTOptions, detect_format, parse_row, turn_strings
 from trainer.errors import UserError
+from trainer.run_folder import refuse_to_overwrite
 
 
 def texts(path: str) -> Iterator[str]:
@@ -109,9 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.force:
             refuse_to_overwrite([Path(args.out)])
         model = train(args.inputs, args.vocab_size)
-    except BadArgs as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

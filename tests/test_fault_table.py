@@ -395,7 +395,7 @@ def convert_nan_weights(tmp_path: Path) -> Callable[[], int]:
 
 def out_is_a_file(tmp_path: Path) -> None:
     """What every script that writes results into --out calls first (scripts/cells.py)."""
-    from scripts.harness.cells import keep_earlier_results
+    from trainer.run_folder import keep_earlier_results
 
     (tmp_path / "out").write_text("not a folder")
     keep_earlier_results(tmp_path / "out", ["loss_compare.json"])

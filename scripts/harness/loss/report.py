@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scripts.harness.cells import BASELINE, PRECISIONS, load_json_file
+from scripts.harness.arguments import load_json_file
+from scripts.harness.cells import BASELINE, PRECISIONS
 from scripts.harness.compare.report import format_number
 from scripts.harness.loss.seeds import render_seeds, seed_summary, seed_verdict
 from scripts.harness.loss.series import (
