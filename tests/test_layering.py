@@ -29,7 +29,7 @@ RANKS = {
     "trainer.data": 5, "trainer.distributed": 5, "trainer.metrics": 5, "trainer.optim": 5,
     "trainer.model_setup": 5, "trainer.run_facts": 5, "trainer.train_state": 5,
     "trainer.loss": 6, "trainer.checkpoint": 6, "trainer.float8_seam": 6,
-    "trainer.validation": 7, "trainer.run_folder": 7, "trainer.step": 7,
+    "trainer.validation": 7, "trainer.run_folder": 7, "trainer.step": 7, "trainer.inference": 7,
     "trainer.trainer": 8, "trainer.dry_run": 8,
     "trainer.crash": 9,
     "trainer.cli": 10,
