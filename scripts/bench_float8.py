@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,8 +35,9 @@ from models.llama.model import precompute_rope
 from scripts.harness.arguments import comma_names
 from scripts.harness.float8_bench.impls import IMPLS, ReferenceMissing, convert, torchao_version
 from scripts.harness.float8_bench.report import add_speedups, print_report
-from scripts.profile_summary import CLASSES, load_trace
-from scripts.profile_summary import summarize as summarize_trace
+from scripts.harness.float8_bench.timing import Timer
+from scripts.harness.traces import CLASSES, load_trace
+from scripts.harness.traces import summarize as summarize_trace
 from trainer.cli import ArgParser
 from trainer.run_folder import keep_earlier_results
 
@@ -45,38 +45,6 @@ MODES = ("bf16", "tensorwise", "rowwise", "rowwise_gw_hp")
 VARIANTS = ("eager", "compiled")
 # LLaMA-2-7B linears as (in_features, out_features): wq/wk/wv/wo, w1/w3, w2, output.
 LINEAR_SHAPES_7B = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 32000)]
-
-
-class Timer:
-    """Per-iteration wall time: CUDA events on the GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def time(self, step: Callable[[], None], before: Callable[[], None], warmup: int, iters: int) -> list[float]:
-        for _ in range(warmup):
-            before()
-            step()
-        self.sync()
-        times = []
-        for _ in range(iters):
-            before()
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return times
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
 
 
 def reset_memory(device: torch.device) -> None:
@@ -178,7 +146,7 @@ def bench_blocks(args, n_blocks, batch, seq, mode, impl, variant, device, timer,
 
 
 def profile_step(step: Callable[[], None], device) -> dict[str, float]:
-    """Device time (ms) of one step by kernel class, as scripts/profile_summary.py reads a trace
+    """Device time (ms) of one step by kernel class, as scripts/harness/traces.py reads a trace
     (on a CPU, the self time of CPU ops)."""
     from torch.profiler import ProfilerActivity, profile
 

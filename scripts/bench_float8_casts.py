@@ -24,7 +24,7 @@ import torch
 from float8.operands import Operand, cast_weight_with_scale, operands_both, transposed
 from float8.recipe import RECIPES
 from float8.scaling import E4M3, cast_with_scale
-from scripts.bench_float8 import Timer
+from scripts.harness.float8_bench.timing import Timer
 from trainer.run_folder import keep_earlier_results
 
 BACKENDS = ("triton", "compiled", "plain")

@@ -12,8 +12,7 @@ import pytest
 
 from scripts import convert_weights
 from scripts import gpu_check as gc
-from scripts.harness.gpu_check import checks as checks
-from scripts.harness.gpu_check import runs as runs
+from scripts.harness.gpu_check import checks, runs
 from scripts.harness.gpu_check.report import Row, render_table
 from tests.helpers import ROOT
 from trainer.errors import UserError

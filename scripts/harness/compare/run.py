@@ -25,8 +25,8 @@ from scripts.harness.cells import (
     summarize_metrics,
     train_launcher,
 )
-from scripts.profile_summary import TraceError, load_trace
-from scripts.profile_summary import summarize as summarize_trace
+from scripts.harness.traces import TraceError, load_trace
+from scripts.harness.traces import summarize as summarize_trace
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ class CellResult:
     steps_measured: int | None = None
     speedup_vs_bf16_eager: float | None = None
     speedup_vs_bf16_same_compile: float | None = None
-    # scripts/profile_summary.py's summary of the profiled step (rank 0), or {"error": ...}.
+    # traces.py's summary of the profiled step (rank 0), or {"error": ...}.
     profile: dict[str, Any] | None = None
 
     @property
