@@ -13,7 +13,7 @@ An --out that holds <name>-*.jsonl shards is refused unless --force, which repla
 them: a stale shard left beside the new ones would be trained on.
 
 A code corpus the model cannot memorize, from files on this machine (one document per file,
-whole files held out by a hash of their path below the glob's root; see scripts/from_files.py):
+whole files held out by a hash of their path below the glob's root; see scripts/corpus/from_files.py):
 
     python scripts/make_corpus.py --from-files "$(python -c 'import sysconfig;print(sysconfig.get_paths()["stdlib"])')/**/*.py" --out data/code --heldout-out data/code_heldout
 """

@@ -1,4 +1,4 @@
-"""scripts/compare_throughput.py and its parts (compare_run, compare_report, compare_chart):
+"""scripts/compare_throughput.py and its parts (scripts/harness/compare/: run, report, chart):
 pure table/speedup helpers, argument errors, profiles per cell, charts merged from result
 files, and CPU runs."""
 

@@ -394,7 +394,7 @@ def convert_nan_weights(tmp_path: Path) -> Callable[[], int]:
 
 
 def out_is_a_file(tmp_path: Path) -> None:
-    """What every script that writes results into --out calls first (scripts/cells.py)."""
+    """What every script that writes results into --out calls first (trainer/run_folder.py)."""
     from trainer.run_folder import keep_earlier_results
 
     (tmp_path / "out").write_text("not a folder")

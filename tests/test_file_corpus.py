@@ -1,4 +1,4 @@
-"""make_corpus.py --from-files (scripts/file_corpus.py): shards, held-out split, refusals."""
+"""make_corpus.py --from-files (scripts/corpus/from_files.py): shards, held-out split, refusals."""
 
 import json
 import os

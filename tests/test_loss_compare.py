@@ -1,4 +1,4 @@
-"""scripts/loss_compare.py and its parts (loss_report, loss_chart): the numbers on hand-made series,
+"""scripts/loss_compare.py and its parts (scripts/harness/loss/: report, chart): the numbers on hand-made series,
 the float8 health section, merging parts and its refusals, argument errors, and one CPU run."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Running one comparison cell: its train.py run, its metrics, its TensorBoard files and profile.
 
-Used by scripts/compare_throughput.py; the running and parsing itself is scripts/cells.py's.
-compare_report.py turns the CellResults into tables and compare_chart.py into the chart.
+Used by scripts/compare_throughput.py and scripts/loss_compare.py; the running and parsing itself is
+cells.py's. report.py turns the CellResults into tables and chart.py into the chart.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ run of the same seed, by step) and the verdicts; it is what a merge calls again 
 several parts, so nothing is trusted from them. Gaps are signed, relative to bf16, in %: positive
 when float8's loss is higher (worse).
 
-With seeds, the verdicts weigh each recipe's gap against bf16's own seed noise (scripts/loss_seeds.py).
+With seeds, the verdicts weigh each recipe's gap against bf16's own seed noise (seeds.py).
 """
 
 from __future__ import annotations
