@@ -1,1 +1,2 @@
-"""The repository's scripts, a package so that each imports the others as scripts.<module>."""
+"""The commands a user runs (one module each, with --help), and the packages they share:
+harness/ (train.py runs, their metrics and traces, the reports) and corpus/ (corpus building)."""

@@ -25,24 +25,22 @@ import time
 import typing
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.cells import (  # noqa: E402
+from scripts.harness.arguments import comma_names
+from scripts.harness.cells import (
     COMPILE_MODES,
     PRECISIONS,
-    ArgParser,
-    BadArgs,
     cell_overrides,
-    comma_names,
     failure_reason,
-    keep_earlier_results,
     read_metrics,
     run_logged,
     train_launcher,
 )
-from trainer.config import ActivationCheckpointMode  # noqa: E402
+from trainer.cli import ArgParser
+from trainer.config import ActivationCheckpointMode
+from trainer.errors import UserError
+from trainer.run_folder import keep_earlier_results
+
+ROOT = Path(__file__).resolve().parents[1]
 
 AC_MODES = typing.get_args(ActivationCheckpointMode)
 # Every cell folder a benchmark can leave in --out, whatever its lists were, and its results.
@@ -112,7 +110,7 @@ def render(cells: list[dict]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Options (.argv: those before `--`; .extra: the train.py overrides after it); raises BadArgs."""
+    """Options (.argv: those before `--`; .extra: the train.py overrides after it); raises UserError."""
     cut = argv.index("--") if "--" in argv else len(argv)
     argv, extra = argv[:cut], argv[cut + 1:]
     p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         a = parse_args(argv)
-    except BadArgs as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     if not a.out:

@@ -54,14 +54,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from trainer.config import build_config
+from trainer.data.exchange import ThreadExchange, world_exchange
+from trainer.data.loader import build_dataloader
+from trainer.data.tokenizer import Tokenizer
+from trainer.run_folder import keep_earlier_results
 
-from scripts.cells import keep_earlier_results  # noqa: E402
-from trainer.config import build_config  # noqa: E402
-from trainer.data.exchange import ThreadExchange, world_exchange  # noqa: E402
-from trainer.data.loader import build_dataloader  # noqa: E402
-from trainer.data.tokenizer import Tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class CountingTokenizer(Tokenizer):
@@ -236,7 +235,7 @@ def bench_mixture(a: argparse.Namespace, cfg: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="trainer/data/loader.py before sharding (git show 7a9870a:trainer/data/loader.py)")
     parser.add_argument("--mixture", action="store_true", help="time one source against a weighted mixture of its files")
@@ -249,7 +248,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=590.0)
     parser.add_argument("--out", default="", help="also write the results as JSON here")
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
     os.chdir(ROOT)
     cfg = build_config(["--config", a.config])
     out = Path(a.out) if a.out else None

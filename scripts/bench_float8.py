@@ -24,61 +24,27 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from models.llama import LLAMA2_FLAVORS, TransformerBlock  # noqa: E402
-from models.llama.model import precompute_rope  # noqa: E402
-from scripts.bench_float8_report import add_speedups, print_report  # noqa: E402
-from scripts.cells import keep_earlier_results  # noqa: E402
-from scripts.float8_impls import IMPLS, ReferenceMissing, convert, torchao_version  # noqa: E402
-from scripts.profile_summary import CLASSES, load_trace  # noqa: E402
-from scripts.profile_summary import summarize as summarize_trace  # noqa: E402
+from models.llama import LLAMA2_FLAVORS, TransformerBlock
+from models.llama.model import precompute_rope
+from scripts.harness.arguments import comma_names
+from scripts.harness.float8_bench.impls import IMPLS, ReferenceMissing, convert, torchao_version
+from scripts.harness.float8_bench.report import add_speedups, print_report
+from scripts.harness.float8_bench.timing import Timer
+from scripts.harness.traces import CLASSES, load_trace
+from scripts.harness.traces import summarize as summarize_trace
+from trainer.cli import ArgParser
+from trainer.run_folder import keep_earlier_results
 
 MODES = ("bf16", "tensorwise", "rowwise", "rowwise_gw_hp")
 VARIANTS = ("eager", "compiled")
 # LLaMA-2-7B linears as (in_features, out_features): wq/wk/wv/wo, w1/w3, w2, output.
 LINEAR_SHAPES_7B = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 32000)]
-
-
-class Timer:
-    """Per-iteration wall time: CUDA events on the GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def time(self, step: Callable[[], None], before: Callable[[], None], warmup: int, iters: int) -> list[float]:
-        for _ in range(warmup):
-            before()
-            step()
-        self.sync()
-        times = []
-        for _ in range(iters):
-            before()
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return times
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
 
 
 def reset_memory(device: torch.device) -> None:
@@ -180,7 +146,7 @@ def bench_blocks(args, n_blocks, batch, seq, mode, impl, variant, device, timer,
 
 
 def profile_step(step: Callable[[], None], device) -> dict[str, float]:
-    """Device time (ms) of one step by kernel class, as scripts/profile_summary.py reads a trace
+    """Device time (ms) of one step by kernel class, as scripts/harness/traces.py reads a trace
     (on a CPU, the self time of CPU ops)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -196,23 +162,8 @@ def profile_step(step: Callable[[], None], device) -> dict[str, float]:
     return {CLASSES[k]: c["ms"] for k, c in summary["classes"].items() if c["count"]}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # One line naming the problem, not argparse's usage block.
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _choices(parser: _Parser, text: str, allowed: tuple[str, ...], option: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    for n in names or [""]:
-        if n not in allowed:
-            parser.error(f"{option}: unknown name {n!r} (choose from {', '.join(allowed)})")
-    return names
-
-
-def main() -> None:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("linears", "blocks"), help="run one section")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="eager,compiled or one of them")
@@ -223,9 +174,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script runs)")
     parser.add_argument("--profile", action="store_true", help="per-class kernel times of one compiled-block step")
     parser.add_argument("--out", default="bench_float8.json", help="JSON results file")
-    opts = parser.parse_args()
-    modes = _choices(parser, opts.modes, MODES, "--modes")
-    variants = _choices(parser, opts.variants, VARIANTS, "--variants")
+    opts = parser.parse_args(argv)
+    modes = comma_names(opts.modes, MODES, "--modes")
+    variants = comma_names(opts.variants, VARIANTS, "--variants")
     impls = list(IMPLS) if opts.impl == "both" else [opts.impl]
     versions = {"torch": torch.__version__}
     if "torchao" in impls:

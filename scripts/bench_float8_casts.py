@@ -21,15 +21,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from float8.operands import Operand, cast_weight_with_scale, operands_both, transposed  # noqa: E402
-from float8.recipe import RECIPES  # noqa: E402
-from float8.scaling import E4M3, cast_with_scale  # noqa: E402
-from scripts.bench_float8 import Timer  # noqa: E402
-from scripts.cells import keep_earlier_results  # noqa: E402
+from float8.operands import Operand, cast_weight_with_scale, operands_both, transposed
+from float8.recipe import RECIPES
+from float8.scaling import E4M3, cast_with_scale
+from scripts.harness.float8_bench.timing import Timer
+from trainer.run_folder import keep_earlier_results
 
 BACKENDS = ("triton", "compiled", "plain")
 TOKENS = 8192
@@ -71,10 +67,10 @@ def cells(backends: list[str]) -> list[tuple[str, str, Callable[[], object], int
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_float8_casts.json")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)

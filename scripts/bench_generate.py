@@ -28,14 +28,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from models.llama import LLAMA2_FLAVORS, Transformer
+from models.llama.generation import generate, generate_without_cache
+from trainer.precision import TORCH_DTYPES
 
-from models.llama import LLAMA2_FLAVORS, Transformer  # noqa: E402
-from models.llama.generation import generate, generate_without_cache  # noqa: E402
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MODES = ("recompute", "cache", "cache+graph", "cache+compile")
 
 
@@ -69,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flavor", default="debug", choices=sorted(LLAMA2_FLAVORS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--batch_sizes", default="1,8", help="comma-separated")
     parser.add_argument("--prompt_len", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=256)
@@ -96,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     dtype_name = opts.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    model = build_model(opts.flavor, opts.prompt_len + opts.new_tokens, device, _DTYPES[dtype_name])
+    model = build_model(opts.flavor, opts.prompt_len + opts.new_tokens, device, TORCH_DTYPES[dtype_name])
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU {torch.backends.cpu.get_cpu_capability()}"
     print(f"torch {torch.__version__}, {where}, threads {torch.get_num_threads()}, {opts.flavor} {dtype_name}", flush=True)

@@ -14,12 +14,9 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from float8 import RECIPES, Float8Config, Float8Linear
 
@@ -41,13 +38,13 @@ def run(module: nn.Module, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype)
     return out.float(), xi.grad.float(), None if grad_w is None else grad_w.float()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--in-features", type=int, default=4096)
     parser.add_argument("--out-features", type=int, default=1024)
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     device = torch.device(opts.device)
     torch.manual_seed(0)
     ref = nn.Linear(opts.in_features, opts.out_features, bias=False, device=device)

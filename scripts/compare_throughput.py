@@ -34,31 +34,26 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.cells import (  # noqa: E402
+from scripts.harness.arguments import (
+    check_config_and_overrides,
+    check_run_counts,
+    check_train_overrides,
+    comma_names,
+    invocation,
+    split_train_args,
+)
+from scripts.harness.cells import (
     BASELINE,
     COMPILE_MODES,
     DEFAULT_IMPL,
     IMPLS,
     PRECISIONS,
-    ArgParser,
-    BadArgs,
-    check_config_and_overrides,
-    check_run_counts,
-    check_train_overrides,
-    comma_names,
     environment,
-    invocation,
-    keep_earlier_results,
     option_names,
     precision_label,
-    split_train_args,
 )
-from scripts.compare_chart import chart_data, chart_title, write_chart  # noqa: E402
-from scripts.compare_report import (  # noqa: E402
+from scripts.harness.compare.chart import chart_data, chart_title, write_chart
+from scripts.harness.compare.report import (
     ResultFileError,
     Run,
     add_speedups,
@@ -69,7 +64,10 @@ from scripts.compare_report import (  # noqa: E402
     render_table,
     report_json,
 )
-from scripts.compare_run import run_cell  # noqa: E402
+from scripts.harness.compare.run import run_cell
+from trainer.cli import ArgParser
+from trainer.errors import UserError
+from trainer.run_folder import keep_earlier_results
 
 DEFAULT_STEPS = 20
 # What a comparison writes under --out (run_cell: runs/, tb/); the next comparison moves them aside.
@@ -78,21 +76,21 @@ OUTPUTS = ("comparison.md", "comparison.json", "comparison.png", "tb", "runs")
 
 def _check_chart_args(cli: argparse.Namespace) -> None:
     if not cli.results:
-        raise BadArgs("--chart needs at least one comparison.json to draw from")
+        raise UserError("--chart needs at least one comparison.json to draw from")
     if cli.config or cli.out or cli.profile_step is not None:
-        raise BadArgs("--chart draws from result files and runs nothing: drop --config, --out and --profile-step")
+        raise UserError("--chart draws from result files and runs nothing: drop --config, --out and --profile-step")
     if cli.labels is not None:
         cli.labels = [s.strip() for s in cli.labels.split(",")]
         if len(cli.labels) != len(cli.results) or not all(cli.labels) or len(set(cli.labels)) != len(cli.labels):
-            raise BadArgs(f"--labels needs {len(cli.results)} distinct non-empty names, one per result file")
+            raise UserError(f"--labels needs {len(cli.results)} distinct non-empty names, one per result file")
 
 
 def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
     if cli.results or cli.labels is not None or cli.title is not None:
-        raise BadArgs("result files, --labels and --title are read only with --chart")
+        raise UserError("result files, --labels and --title are read only with --chart")
     missing = [name for name, value in (("--config", cli.config), ("--out", cli.out)) if not value]
     if missing:
-        raise BadArgs(f"the following arguments are required: {', '.join(missing)} (or --chart PNG RESULT.json ...)")
+        raise UserError(f"the following arguments are required: {', '.join(missing)} (or --chart PNG RESULT.json ...)")
     cli.precisions = comma_names(cli.precisions, PRECISIONS, "--precisions")
     cli.compile = comma_names(cli.compile, COMPILE_MODES, "--compile")
     cli.impls = comma_names(cli.impls, IMPLS, "--impls")
@@ -100,11 +98,11 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
     if cli.profile_step is not None and not (
         1 <= cli.profile_step <= cli.steps and set(range(cli.warmup + 1, cli.steps + 1)) - {cli.profile_step}
     ):
-        raise BadArgs(f"--profile-step must be a step in [1, {cli.steps}] that leaves a measured step after "
+        raise UserError(f"--profile-step must be a step in [1, {cli.steps}] that leaves a measured step after "
                       f"the {cli.warmup} warm-up steps, got {cli.profile_step}")
     check_config_and_overrides(cli.config, extras, "cell", "--precisions, --compile, --steps, --profile-step or --out")
     if "float8.impl" in option_names(extras):
-        raise BadArgs("--float8.impl is set for each cell by this script; use --impls")
+        raise UserError("--float8.impl is set for each cell by this script; use --impls")
 
 
 def run_cells(cli: argparse.Namespace) -> list[tuple[str, str, str]]:
@@ -115,7 +113,7 @@ def run_cells(cli: argparse.Namespace) -> list[tuple[str, str, str]]:
 
 
 def reference_version(cli: argparse.Namespace) -> str | None:
-    """torchao's version when a cell runs it, checked before any cell starts; raises BadArgs without it."""
+    """torchao's version when a cell runs it, checked before any cell starts; raises UserError without it."""
     if not any(impl == "torchao" for _, _, impl in run_cells(cli)):
         return None
     # Here, not at the top: the parent process loads torch only when a cell runs torchao.
@@ -124,11 +122,11 @@ def reference_version(cli: argparse.Namespace) -> str | None:
     try:
         return torchao_version("--impls torchao")
     except ReferenceMissing as e:
-        raise BadArgs(str(e)) from None
+        raise UserError(str(e)) from None
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(options, train.py overrides after `--`); raises BadArgs with a one-line message."""
+    """(options, train.py overrides after `--`); raises UserError with a one-line message."""
     argv, extras = split_train_args(argv)
     p = ArgParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Arguments after `--` are passed to every train.py run.")
@@ -180,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             return draw_from_files(cli)
         check_train_overrides(cli.config, extras, run_cells(cli), cli.steps, cli.profile_step)
         torchao = reference_version(cli)
-    except BadArgs as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     out = Path(cli.out)

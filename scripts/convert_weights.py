@@ -31,8 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer, initialized_model
 from models.llama.weight_conversion import StateDict, WeightsError, check_state_dict
 from models.llama.weight_files import (

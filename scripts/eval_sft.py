@@ -5,7 +5,7 @@
     python scripts/eval_sft.py --config configs/debug_sft.toml --checkpoint.enable false   # the untrained model
 
 Evaluates what the trainer would resume from: the latest checkpoint of the config's dump
-folder (or ``--weights PATH``, see scripts/generate.py). Each row is rendered with the
+folder (or ``--weights PATH``, see trainer/inference.py). Each row is rendered with the
 LLaMA-2 chat template up to its final ``[/INST]``; the greedy continuation up to EOS,
 stripped, must equal the reference reply. The last line printed is
 ``exact_match=<fraction>``.
@@ -19,19 +19,12 @@ bucket). A stderr line shows the rows done and the new tokens per second.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.generate import add_model_flags, generate_with, model_from_opts, parse  # noqa: E402
-from trainer.data.sft import load_sft_rows, reference_answer, render_prompt  # noqa: E402
-from trainer.errors import UserError  # noqa: E402
-from trainer.trainer import sft_options  # noqa: E402
+from trainer.data.sft import SFTOptions, load_sft_rows, reference_answer, render_prompt
+from trainer.errors import UserError
+from trainer.inference import add_model_flags, generate_with, model_from_opts, parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.data.eval_path:
             raise UserError("data.eval_path is not set (the held-out SFT split to evaluate)")
         # The eval rows are read like the training rows, whatever data.kind says.
-        options = sft_options(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, kind="sft")))
+        options = SFTOptions.from_config(cfg.data)
         rows = load_sft_rows(cfg.data.eval_path, options, cfg.data.format)
         if opts.max_samples:
             rows = rows[: opts.max_samples]

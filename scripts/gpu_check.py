@@ -33,25 +33,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from models.llama import LLAMA2_FLAVORS  # noqa: E402
-from scripts.cells import (  # noqa: E402
+from models.llama import LLAMA2_FLAVORS
+from scripts.harness.arguments import comma_names
+from scripts.harness.cells import (
     COMPILE_MODES,
     PRECISIONS,
-    ArgParser,
-    BadArgs,
-    comma_names,
     display_command,
     environment,
-    keep_earlier_results,
     option_names,
 )
-from scripts.gpu_check_checks import CKPT_STEP, PARITY_STEPS, WARMUP  # noqa: E402
-from scripts.gpu_check_report import Row, render_markdown, render_table  # noqa: E402
-from scripts.gpu_check_runs import GROUP_RUNNERS, cell_args  # noqa: E402
+from scripts.harness.gpu_check.checks import CKPT_STEP, PARITY_STEPS, WARMUP
+from scripts.harness.gpu_check.report import Row, render_markdown, render_table
+from scripts.harness.gpu_check.runs import GROUP_RUNNERS, cell_args
+from trainer.cli import ArgParser
+from trainer.errors import UserError
+from trainer.run_folder import keep_earlier_results
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GROUPS = tuple(GROUP_RUNNERS)  # in the order their rows run
 # What a check writes under --out (w/: sft's converted weights); the next check moves them aside.
@@ -106,7 +104,7 @@ def run_all(cli: argparse.Namespace, table: list[Row]) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Options, with train.py overrides after `--` in .extras; raises BadArgs."""
+    """Options, with train.py overrides after `--` in .extras; raises UserError."""
     cut = argv.index("--") if "--" in argv else len(argv)
     argv, extras = argv[:cut], argv[cut + 1:]
     p = ArgParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,11 +131,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     cli.precisions = comma_names(cli.precisions, PRECISIONS, "--precisions")
     cli.compile = comma_names(cli.compile, COMPILE_MODES, "--compile")
     if cli.nproc < 1:
-        raise BadArgs(f"--nproc must be >= 1, got {cli.nproc}")
+        raise UserError(f"--nproc must be >= 1, got {cli.nproc}")
     if cli.steps <= max(WARMUP, PARITY_STEPS):
-        raise BadArgs(f"--steps must be > {max(WARMUP, PARITY_STEPS)}, got {cli.steps}")
+        raise UserError(f"--steps must be > {max(WARMUP, PARITY_STEPS)}, got {cli.steps}")
     if cli.resume_steps <= CKPT_STEP:
-        raise BadArgs(f"--resume-steps must be > {CKPT_STEP}, got {cli.resume_steps}")
+        raise UserError(f"--resume-steps must be > {CKPT_STEP}, got {cli.resume_steps}")
     debug = cli.flavor == "debug"
     cli.batch_size = cli.batch_size or 2
     cli.seq_len = cli.seq_len or (128 if debug else 4096)
@@ -155,7 +153,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "checkpoint.export_final", "activation_checkpoint.mode", "model.tokenizer_path"}
     for name in option_names(extras):
         if name in owned - {"float8.fsdp_float8_all_gather"}:
-            raise BadArgs(f"--{name} after `--` is set by this script for each row")
+            raise UserError(f"--{name} after `--` is set by this script for each row")
     return cli
 
 
@@ -163,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cli = parse_args(argv)
-    except BadArgs as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     os.chdir(ROOT)  # the configs name data/ and the tokenizer relative to the repository

@@ -36,29 +36,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.cells import (  # noqa: E402
-    BASELINE,
-    COMPILE_MODES,
-    PRECISIONS,
-    ArgParser,
-    BadArgs,
+from scripts.harness.arguments import (
     check_config_and_overrides,
     check_run_counts,
     check_train_overrides,
     comma_names,
-    environment,
     invocation,
-    keep_earlier_results,
-    read_metrics,
     split_train_args,
 )
-from scripts.compare_run import CellResult, run_cell  # noqa: E402
-from scripts.loss_chart import write_chart  # noqa: E402
-from scripts.loss_report import (  # noqa: E402
+from scripts.harness.cells import BASELINE, COMPILE_MODES, PRECISIONS, environment, read_metrics
+from scripts.harness.compare.run import CellResult, run_cell
+from scripts.harness.loss.chart import write_chart
+from scripts.harness.loss.report import (
     DEFAULT_TOLERANCE_PCT,
     PartError,
     build_report,
@@ -67,7 +56,10 @@ from scripts.loss_report import (  # noqa: E402
     render_markdown,
     render_table,
 )
-from scripts.loss_series import default_window, run_label, series_of  # noqa: E402
+from scripts.harness.loss.series import default_window, run_label, series_of
+from trainer.cli import ArgParser
+from trainer.errors import UserError
+from trainer.run_folder import keep_earlier_results
 
 DEFAULT_STEPS = 1000
 DEFAULT_COMPILE = "block"
@@ -81,23 +73,23 @@ SHARED = (("config", "config"), ("steps", "steps"), ("train_overrides", "train o
 
 def _check_common(cli: argparse.Namespace) -> None:
     if not cli.out:
-        raise BadArgs("the following arguments are required: --out")
+        raise UserError("the following arguments are required: --out")
     if cli.tolerance is not None and not (math.isfinite(cli.tolerance) and cli.tolerance > 0):
-        raise BadArgs(f"--tolerance must be a positive percentage, got {cli.tolerance}")
+        raise UserError(f"--tolerance must be a positive percentage, got {cli.tolerance}")
     if cli.window is not None and cli.window < 1:
-        raise BadArgs(f"--window must be >= 1, got {cli.window}")
+        raise UserError(f"--window must be >= 1, got {cli.window}")
 
 
 def _check_merge_args(cli: argparse.Namespace, extras: list[str]) -> None:
     given = [flag for flag in RUN_ONLY if getattr(cli, flag[2:]) is not None]
     if given or extras:
         dropped = ", ".join(given + (["the train.py arguments after `--`"] if extras else []))
-        raise BadArgs(f"--merge rebuilds the report from its parts and runs nothing: drop {dropped}")
+        raise UserError(f"--merge rebuilds the report from its parts and runs nothing: drop {dropped}")
 
 
 def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
     if not cli.config:
-        raise BadArgs("the following arguments are required: --config (or --merge PART.json ...)")
+        raise UserError("the following arguments are required: --config (or --merge PART.json ...)")
     cli.steps = DEFAULT_STEPS if cli.steps is None else cli.steps
     cli.nproc = 1 if cli.nproc is None else cli.nproc
     # `is None`: an empty --precisions (an unset shell variable) is refused, not the default.
@@ -105,33 +97,33 @@ def _check_run_args(cli: argparse.Namespace, extras: list[str]) -> None:
     cli.precisions = comma_names(default if cli.precisions is None else cli.precisions, PRECISIONS, "--precisions")
     cli.seeds = seed_list(cli.seeds) if cli.seeds is not None else [None]
     if cli.seeds != [None] and "--training.seed" in extras:
-        raise BadArgs("--training.seed is set for each run by --seeds: drop it after `--`")
+        raise UserError("--training.seed is set for each run by --seeds: drop it after `--`")
     cli.compile = DEFAULT_COMPILE if cli.compile is None else cli.compile.strip()
     if cli.compile not in COMPILE_MODES:
-        raise BadArgs(f"--compile takes one mode of {', '.join(COMPILE_MODES)}, got '{cli.compile}'")
+        raise UserError(f"--compile takes one mode of {', '.join(COMPILE_MODES)}, got '{cli.compile}'")
     check_run_counts(cli)
     cli.window = default_window(cli.steps) if cli.window is None else cli.window
     if cli.window > cli.steps:
-        raise BadArgs(f"--window must be at most --steps ({cli.steps}), got {cli.window}")
+        raise UserError(f"--window must be at most --steps ({cli.steps}), got {cli.window}")
     cli.tolerance = DEFAULT_TOLERANCE_PCT if cli.tolerance is None else cli.tolerance
     cli.profile_step = None  # run_cell's: no step is traced here
     check_config_and_overrides(cli.config, extras, "run", "--precisions, --compile, --steps or --out")
 
 
 def seed_list(text: str) -> list[int]:
-    """The distinct integers of a comma list, in order; raises BadArgs otherwise."""
+    """The distinct integers of a comma list, in order; raises UserError otherwise."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     try:
         seeds = list(dict.fromkeys(int(t) for t in items))
     except ValueError:
-        raise BadArgs(f"--seeds takes a comma list of integers, got '{text}'") from None
+        raise UserError(f"--seeds takes a comma list of integers, got '{text}'") from None
     if not seeds:
-        raise BadArgs("--seeds needs at least one integer")
+        raise UserError("--seeds needs at least one integer")
     return seeds
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(options, train.py overrides after `--`); raises BadArgs with a one-line message."""
+    """(options, train.py overrides after `--`); raises UserError with a one-line message."""
     argv, extras = split_train_args(argv)
     p = ArgParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                   epilog="Arguments after `--` are passed to every train.py run.")
@@ -158,12 +150,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def merge_parts(parts: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The runs of all parts; raises BadArgs when the parts cannot be compared or overlap."""
+    """The runs of all parts; raises UserError when the parts cannot be compared or overlap."""
     first_path, first = parts[0]
     for path, part in parts[1:]:
         for key, label in SHARED:
             if part[key] != first[key]:
-                raise BadArgs(f"--merge: {first_path} and {path} disagree on {label} "
+                raise UserError(f"--merge: {first_path} and {path} disagree on {label} "
                               f"({json.dumps(first[key])} vs {json.dumps(part[key])})")
     seen: dict[tuple[str, int | None], Path] = {}
     runs = []
@@ -171,11 +163,11 @@ def merge_parts(parts: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]
         for run in part["runs"]:
             key = (run["precision"], run.get("seed"))
             if key in seen:
-                raise BadArgs(f"--merge: {run_label(run)} appears twice ({seen[key]} and {path})")
+                raise UserError(f"--merge: {run_label(run)} appears twice ({seen[key]} and {path})")
             seen[key] = path
             runs.append(run)
     if not any(precision == BASELINE for precision, _ in seen):
-        raise BadArgs("--merge: no part has a bf16 run, so there is nothing to compare against")
+        raise UserError("--merge: no part has a bf16 run, so there is nothing to compare against")
     return runs
 
 
@@ -185,18 +177,18 @@ def _agreed(parts: list[tuple[Path, dict[str, Any]]], key: str, default: Any) ->
 
 
 def merge(cli: argparse.Namespace, command: str, date: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(info, runs) of --merge; raises BadArgs (a part unreadable, or the parts not comparable)."""
+    """(info, runs) of --merge; raises UserError (a part unreadable, or the parts not comparable)."""
     paths = [Path(p) / "loss_compare.json" if Path(p).is_dir() else Path(p) for p in cli.merge]
     try:
         parts = [(path, load_part(path)) for path in paths]
     except PartError as e:
-        raise BadArgs(str(e)) from None
+        raise UserError(str(e)) from None
     runs = merge_parts(parts)
     first = parts[0][1]
     base_part = next(part for _, part in parts if any(r["precision"] == BASELINE for r in part["runs"]))
     window = cli.window if cli.window is not None else _agreed(parts, "window", default_window(first["steps"]))
     if window > first["steps"]:
-        raise BadArgs(f"--window must be at most the parts' steps ({first['steps']}), got {window}")
+        raise UserError(f"--window must be at most the parts' steps ({first['steps']}), got {window}")
     info = {"command": command, "date": date, "environment": base_part["environment"],
             **{key: first[key] for key, _ in SHARED}, "warmup": _agreed(parts, "warmup", None),
             "window": window, "tolerance": cli.tolerance if cli.tolerance is not None
@@ -256,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             info, runs = merge(cli, command, date)
         else:
             check_train_overrides(cli.config, extras, [(p, cli.compile, None) for p in cli.precisions], cli.steps)
-    except BadArgs as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     out = Path(cli.out)

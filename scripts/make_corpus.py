@@ -13,7 +13,7 @@ An --out that holds <name>-*.jsonl shards is refused unless --force, which repla
 them: a stale shard left beside the new ones would be trained on.
 
 A code corpus the model cannot memorize, from files on this machine (one document per file,
-whole files held out by a hash of their path below the glob's root; see scripts/file_corpus.py):
+whole files held out by a hash of their path below the glob's root; see scripts/corpus/from_files.py):
 
     python scripts/make_corpus.py --from-files "$(python -c 'import sysconfig;print(sysconfig.get_paths()["stdlib"])')/**/*.py" --out data/code --heldout-out data/code_heldout
 """
@@ -24,13 +24,10 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts import file_corpus  # noqa: E402
-from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
-from trainer.run_folder import check_writable  # noqa: E402
+from scripts.corpus import from_files
+from trainer.cli import ArgParser
+from trainer.errors import UserError
+from trainer.run_folder import check_writable, refuse_to_overwrite
 
 NAMES = [
     "Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry", "Ivy", "Jack",
@@ -257,26 +254,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="train", help="file name prefix: <name>-00000.jsonl, ...")
     p.add_argument("--force", action="store_true", help="replace the <name>-*.jsonl shards already in --out")
-    file_corpus.add_arguments(p)
+    from_files.add_arguments(p)
     try:
         args = p.parse_args(argv)
-        file_corpus.check_mode(args, ["--docs"] if args.docs is not None else [])
+        from_files.check_mode(args, ["--docs"] if args.docs is not None else [])
         if args.from_files:
-            file_corpus.write(*file_corpus.build(args))
+            from_files.write(*from_files.build(args))
             return 0
         if args.shards < 1 or (args.docs is not None and args.docs < 1):
-            raise BadArgs(f"--shards and --docs must be at least 1, got --shards {args.shards}, --docs {args.docs}")
+            raise UserError(f"--shards and --docs must be at least 1, got --shards {args.shards}, --docs {args.docs}")
         out = Path(args.out)
         check_writable(out, "--out")
         earlier = sorted(out.glob(f"{args.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))
         if not args.force:
             refuse_to_overwrite(earlier)
-    except BadArgs as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     docs = make_docs(3000 if args.docs is None else args.docs, args.seed)
-    for path in file_corpus.replace_shards(out, args.name, docs, args.shards):
+    for path in from_files.replace_shards(out, args.name, docs, args.shards):
         print(f"wrote {path}")
     return 0
 

@@ -17,11 +17,9 @@ import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite  # noqa: E402
+from trainer.cli import ArgParser
+from trainer.errors import UserError
+from trainer.run_folder import refuse_to_overwrite
 
 WORDS = [
     "cat", "dog", "cow", "duck", "owl", "fox", "bear", "bee", "pig", "hen",
@@ -119,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         if not args.force:
             refuse_to_overwrite(out / name for name in FILES)
-    except BadArgs as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

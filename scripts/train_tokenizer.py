@@ -16,19 +16,17 @@ An existing --out is refused unless --force (checked before training).
 import argparse
 import io
 import itertools
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import sentencepiece as spm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts.cells import ArgParser, BadArgs, refuse_to_overwrite
+from trainer.cli import ArgParser
 from trainer.data.loader import BadRow, DataSource
 from trainer.data.sft import SFTOptions, detect_format, parse_row, turn_strings
 from trainer.errors import UserError
+from trainer.run_folder import refuse_to_overwrite
 
 
 def texts(path: str) -> Iterator[str]:
@@ -112,9 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.force:
             refuse_to_overwrite([Path(args.out)])
         model = train(args.inputs, args.vocab_size)
-    except BadArgs as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

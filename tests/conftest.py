@@ -1,12 +1,6 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 # Inductor's kernel cache is not safe to share between torch versions or CPU capabilities
 # (ATEN_CPU_CAPABILITY): kernels compiled by another version gave wrong float8 results and

@@ -10,12 +10,8 @@ on its own), since a TP model compiled per block fails in forward without grad o
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import build_config
 from trainer.distributed import process_group

@@ -1,4 +1,4 @@
-"""scripts/bench_ac.py: its train.py options, one cell read through scripts/cells.py's runner
+"""scripts/bench_ac.py: its train.py options, one cell read through scripts/harness/cells.py's runner
 (the subprocess faked), the table, and one small CPU run of the real thing."""
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from models.llama import LLAMA2_FLAVORS
 from models.llama.model import precompute_rope
 from scripts import bench_float8 as bench
 from tests.helpers import ROOT
+from trainer.cli import run_command
 
 SMOKE_ARGS = dataclasses.replace(LLAMA2_FLAVORS["debug"], dim=64, n_heads=4, n_kv_heads=4, max_seq_len=64)
 # torch 2.11's CPU _scaled_mm takes per-tensor scales only; the bench does not emulate the rest.
@@ -77,10 +78,7 @@ def test_smoke_runs_both_implementations(tmp_path):
 
 def test_missing_torchao_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torchao", None)  # makes `import torchao` raise ImportError
-    monkeypatch.setattr(sys, "argv", ["bench_float8.py", "--smoke", "--impl", "torchao"])
-    with pytest.raises(SystemExit) as exit_:
-        bench.main()
-    assert exit_.value.code == 2
+    assert run_command(lambda: bench.main(["--smoke", "--impl", "torchao"])) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --impl torchao needs the reference library torchao")
     assert err.rstrip().endswith('pip install -e ".[reference]"') and len(err.splitlines()) == 1
@@ -90,12 +88,10 @@ def test_missing_torchao_is_one_line(monkeypatch, capsys):
     (["--modes", "bf16,fp4"], "error: --modes: unknown name 'fp4'"),
     (["--impl", "fast"], "error: argument --impl: invalid choice: 'fast'"),
 ])
-def test_bad_arguments_are_one_line(monkeypatch, capsys, args, message):
-    monkeypatch.setattr(sys, "argv", ["bench_float8.py", "--smoke", *args])
-    with pytest.raises(SystemExit) as exit_:
-        bench.main()
+def test_bad_arguments_are_one_line(capsys, args, message):
+    code = run_command(lambda: bench.main(["--smoke", *args]))
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith(message) and len(err.splitlines()) == 1
+    assert code == 2 and err.startswith(message) and len(err.splitlines()) == 1
 
 
 def test_profile_is_read_by_the_trace_summary():

@@ -1,4 +1,4 @@
-"""scripts/compare_throughput.py and its parts (compare_run, compare_report, compare_chart):
+"""scripts/compare_throughput.py and its parts (scripts/harness/compare/: run, report, chart):
 pure table/speedup helpers, argument errors, profiles per cell, charts merged from result
 files, and CPU runs."""
 
@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from scripts import cells
-from scripts import compare_chart as chart
-from scripts import compare_report as rep
-from scripts import compare_run as cr
 from scripts import compare_throughput as ct
-from scripts import profile_summary as ps
+from scripts.harness import cells, traces
+from scripts.harness.compare import chart
+from scripts.harness.compare import report as rep
+from scripts.harness.compare import run as cr
 from tests.helpers import ROOT
 from tests.test_profile_summary import EXPECTED, synthetic_trace
 from trainer.config import build_config
@@ -357,7 +356,7 @@ def test_profiles_in_the_report(tmp_path, monkeypatch):
         r = _ok(precision, mode, 100.0 if precision == "bf16" else 150.0)
         r.wall_s = 1.0
         # bf16's trace is missing; tensorwise's is the synthetic GPU step.
-        r.profile = cr.profile_of(tmp_path / "none", 3) if precision == "bf16" else ps.summarize(synthetic_trace())
+        r.profile = cr.profile_of(tmp_path / "none", 3) if precision == "bf16" else traces.summarize(synthetic_trace())
         return r
 
     monkeypatch.setattr(ct, "run_cell", fake_cell)

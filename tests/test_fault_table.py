@@ -340,24 +340,24 @@ def nan_in_layer_1(sd: dict[str, torch.Tensor]) -> None:
 
 
 def generate_model(argv: list[str]):
-    from scripts import generate
+    from trainer import inference
 
     parser = argparse.ArgumentParser()
-    generate.add_model_flags(parser)
-    opts, cfg = generate.parse(parser, argv)
-    return generate.load_model(cfg, opts.weights, torch.device("cpu"), torch.float32)
+    inference.add_model_flags(parser)
+    opts, cfg = inference.parse(parser, argv)
+    return inference.load_model(cfg, opts.weights, torch.device("cpu"), torch.float32)
 
 
 def larger_flavour_than_the_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from scripts import generate
+    from trainer import inference
 
     def built(*args, **kwargs):
         raise AssertionError("a model was built before the weights were checked")
 
-    monkeypatch.setattr(generate, "Transformer", built)
+    monkeypatch.setattr(inference, "Transformer", built)
     weights = debug_weights(tmp_path)
     # Deeper than the weights (the same check as a 7B would meet, without building 7B's shapes on meta).
-    generate.load_model(train_config("--model.n_layers", "6"), str(weights), torch.device("cpu"), torch.float32)
+    inference.load_model(train_config("--model.n_layers", "6"), str(weights), torch.device("cpu"), torch.float32)
 
 
 def train_config(*argv: str):
@@ -394,8 +394,8 @@ def convert_nan_weights(tmp_path: Path) -> Callable[[], int]:
 
 
 def out_is_a_file(tmp_path: Path) -> None:
-    """What every script that writes results into --out calls first (scripts/cells.py)."""
-    from scripts.cells import keep_earlier_results
+    """What every script that writes results into --out calls first (trainer/run_folder.py)."""
+    from trainer.run_folder import keep_earlier_results
 
     (tmp_path / "out").write_text("not a folder")
     keep_earlier_results(tmp_path / "out", ["loss_compare.json"])
@@ -432,10 +432,10 @@ def warmup_notes(tmp_path: Path) -> None:
 
 
 def untrained_generation(tmp_path: Path) -> None:
-    from scripts import generate
+    from trainer import inference
 
-    generate.load_model(train_config("--model.n_layers", "1", "--checkpoint.enable", "false"), None,
-                        torch.device("cpu"), torch.float32)
+    inference.load_model(train_config("--model.n_layers", "1", "--checkpoint.enable", "false"), None,
+                         torch.device("cpu"), torch.float32)
 
 
 def signal_during_startup(tmp_path: Path, signum: int) -> tuple[int, str]:
@@ -490,7 +490,7 @@ TABLE: dict[str, Case] = {
         call(lambda t: generate_model(["--weights", str(debug_weights(t, nan_in_layer_1))]))),
     "prompt longer than max_seq_len": Case(
         2, r"^error: prompt 2 is 9 tokens, but the model attends to at most max_seq_len = 8, so nothing could be generated",
-        call(lambda t: __import__("scripts.generate").generate.check_prompt_lengths([[1, 2], list(range(9))], 8))),
+        call(lambda t: __import__("trainer.inference").inference.check_prompt_lengths([[1, 2], list(range(9))], 8))),
     "NaN temperature": Case(
         2, r"^error: need 0 < --top_p <= 1, a finite --temperature >= 0",
         command(lambda t: lambda: __import__("scripts.generate").generate.main(["--prompt", "x", "--temperature", "nan"]))),

@@ -1,4 +1,4 @@
-"""make_corpus.py --from-files (scripts/file_corpus.py): shards, held-out split, refusals."""
+"""make_corpus.py --from-files (scripts/corpus/from_files.py): shards, held-out split, refusals."""
 
 import json
 import os
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import file_corpus, make_corpus
-from scripts.file_corpus import is_heldout
+from scripts import make_corpus
+from scripts.corpus import from_files as file_corpus
+from scripts.corpus.from_files import is_heldout
 from trainer.data.globbing import glob_root
 
 TEXTS = {

@@ -12,11 +12,10 @@ import pytest
 
 from scripts import convert_weights
 from scripts import gpu_check as gc
-from scripts import gpu_check_checks as checks
-from scripts import gpu_check_runs as runs
-from scripts.cells import BadArgs
-from scripts.gpu_check_report import Row, render_table
+from scripts.harness.gpu_check import checks, runs
+from scripts.harness.gpu_check.report import Row, render_table
 from tests.helpers import ROOT
+from trainer.errors import UserError
 
 
 def _rows(losses: list[float], grad_norms: list[float] | None = None, first: int = 1) -> list[dict]:
@@ -136,7 +135,7 @@ def test_options_defaults_and_errors():
     for bad, message in [(["--only", "layout"], "unknown name 'layout'"),
                          (["--steps", "3"], "--steps must be > 3"),
                          (["--", "--training.steps", "9"], "--training.steps after `--` is set")]:
-        with pytest.raises(BadArgs, match=message):
+        with pytest.raises(UserError, match=message):
             _cli(*bad)
 
 

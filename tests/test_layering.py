@@ -2,7 +2,9 @@
 
 Every part of the project has a rank; a module may import its own part and parts of a lower
 rank only (imports inside functions count too). A new package or top-level module in
-trainer/ must be given a rank here, so the architecture cannot change without this file.
+trainer/, or a new package in scripts/, must be given a rank here, so the architecture cannot
+change without this file. The modules directly in scripts/ are commands: they import the
+packages, never another command.
 """
 
 from __future__ import annotations
@@ -30,14 +32,19 @@ RANKS = {
     "trainer.model_setup": 5, "trainer.run_facts": 5, "trainer.train_state": 5,
     "trainer.loss": 6, "trainer.checkpoint": 6, "trainer.float8_seam": 6,
     "trainer.validation": 7, "trainer.run_folder": 7, "trainer.step": 7, "trainer.plan": 7,
+    "trainer.inference": 7,
     "trainer.trainer": 8, "trainer.dry_run": 8,
     "trainer.crash": 9,
     "trainer.cli": 10,
-    "train": 11, "scripts": 11,
+    # scripts/'s packages: what the commands share.
+    "scripts.harness": 11, "scripts.corpus": 11,
+    # What a user runs: train.py and the commands directly in scripts/ (scripts/__init__.py too).
+    "train": 12, "scripts": 12,
 }
 PROJECT = ("float8", "models", "trainer", "scripts", "train")
 MAX_FILE_LINES = 350
 MAX_TRAINER_FUNCTION_LINES = 60
+MAX_COMMANDS = 16
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -48,11 +55,14 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def part_of(module: str) -> str | None:
-    """The ranked part a module belongs to: float8, models, scripts, train, trainer.<first level>,
-    or a module deeper in trainer/ that RANKS names on its own."""
+    """The ranked part a module belongs to: float8, models, train, trainer.<first level>, a module
+    deeper in trainer/ that RANKS names on its own, scripts.<package>, or scripts for a command."""
     top = module.split(".")[0]
     if top not in PROJECT or module == "trainer":  # trainer/__init__.py is empty
         return None
+    if top == "scripts":
+        package = ".".join(module.split(".")[:2])
+        return package if module.count(".") > 1 or package in RANKS else "scripts"
     if top == "trainer":
         parts = module.split(".")
         return next((".".join(parts[:n]) for n in range(len(parts), 2, -1) if ".".join(parts[:n]) in RANKS),
@@ -227,9 +237,68 @@ def test_file_and_function_sizes():
     assert big_files == [] and long_functions == []
 
 
+def commands_importing_commands(graph: dict[str, set[str]]) -> list[str]:
+    """Where a command (a module directly in scripts/) imports another: what two commands share
+    belongs in one of scripts/'s packages (or lower)."""
+    commands = {m for m in graph if part_of(m) == "scripts" and m != "scripts"}
+    return [f"{m} imports {t}" for m in sorted(commands) for t in sorted(graph[m]) if t in commands]
+
+
+def test_commands_import_packages_never_each_other():
+    assert commands_importing_commands(project_graph()) == []
+
+
+def test_commands_checker_finds_a_planted_import(tmp_path):
+    graph = _plant(tmp_path, {
+        "scripts/__init__.py": "", "scripts/harness/__init__.py": "", "scripts/harness/cells.py": "",
+        "scripts/a.py": "from scripts.harness import cells\nfrom scripts import b\n",
+        "scripts/b.py": "from scripts.harness.cells import x\n",
+        "scripts/harness/report.py": "from scripts.a import y\n",
+    })
+    assert commands_importing_commands(graph) == ["scripts.a imports scripts.b"]
+    assert upward_imports(graph) == ["scripts.harness.report (rank 11) imports scripts.a (rank 12)"]
+
+
+def test_scripts_holds_commands():
+    """At most MAX_COMMANDS modules directly in scripts/, each a command: a `main` run by trainer.cli's
+    run_command (tests/test_commands.py runs each with --help)."""
+    commands = sorted(p for p in (ROOT / "scripts").glob("*.py") if p.name != "__init__.py")
+    assert len(commands) <= MAX_COMMANDS, [p.name for p in commands]
+    not_commands = [p.name for p in commands if "sys.exit(run_command(main))" not in p.read_text()]
+    assert not_commands == []
+
+
+def sys_path_edits(root: Path) -> list[str]:
+    """Where a module changes sys.path (insert, append, assignment): the packages are installed
+    (pip install -e .), so nothing needs to."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith((".", "build/")) or "/." in relative:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), relative)):
+            target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+            targets = node.targets if isinstance(node, ast.Assign) else [target]
+            if any(isinstance(x, ast.Attribute) and x.attr == "path" and isinstance(x.value, ast.Name)
+                   and x.value.id == "sys" for x in targets):
+                found.append(f"{relative}:{node.lineno}")
+    return found
+
+
+def test_no_sys_path_edits():
+    assert sys_path_edits(ROOT) == []
+
+
+def test_sys_path_finder_finds_a_planted_edit(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "a.py").write_text("import sys\nsys.path.insert(0, '.')\nprint(sys.path[0])\n")
+    (tmp_path / "b.py").write_text("import sys\nsys.path = []\n")
+    assert sys_path_edits(tmp_path) == ["b.py:2", "scripts/a.py:2"]
+
+
 def test_no_script_imports_another_scripts_private_names():
     offenders = []
-    for path in (ROOT / "scripts").glob("*.py"):
+    for path in (ROOT / "scripts").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("scripts"):
                 offenders += [f"{path.name}: {a.name}" for a in node.names if a.name.startswith("_")]

@@ -1,4 +1,4 @@
-"""scripts/loss_compare.py and its parts (loss_report, loss_chart): the numbers on hand-made series,
+"""scripts/loss_compare.py and its parts (scripts/harness/loss/: report, chart): the numbers on hand-made series,
 the float8 health section, merging parts and its refusals, argument errors, and one CPU run."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import socket
 
 import pytest
 
-from scripts import compare_run as cr
 from scripts import loss_compare as lc
-from scripts import loss_report as lr
-from scripts import loss_seeds as ls
+from scripts.harness.compare import run as cr
+from scripts.harness.loss import report as lr
+from scripts.harness.loss import seeds as ls
 from tests.helpers import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

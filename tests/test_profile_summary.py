@@ -1,4 +1,5 @@
-"""scripts/profile_summary.py: exact class times on a synthetic GPU trace, a real CPU trace, bad input."""
+"""scripts/profile_summary.py and scripts/harness/traces.py: exact class times on a synthetic GPU trace,
+a real CPU trace, bad input."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from float8 import Float8Config, convert_to_float8_training
 from scripts import profile_summary as ps
+from scripts.harness import traces
 from tests.helpers import ROOT
 
 CPU, GPU = 100, 0
@@ -87,7 +89,7 @@ EXPECTED = {
 
 
 def test_synthetic_gpu_trace_exact_times():
-    s = ps.summarize(synthetic_trace())
+    s = traces.summarize(synthetic_trace())
     assert s["device"] == "gpu" and s["devices"] == 1
     assert s["classes"] == EXPECTED
     # NCCL alone: the reduce-scatter in the gap (2 ms) and the all-reduce after compute ends (4 ms).
@@ -207,7 +209,7 @@ FSDP_EXPECTED = {
 
 
 def test_fsdp_and_inductor_kernels_exact_times():
-    s = ps.summarize(fsdp_and_inductor_trace(), top=100)
+    s = traces.summarize(fsdp_and_inductor_trace(), top=100)
     assert s["classes"] == FSDP_EXPECTED
     by_name = {t["name"]: t["class"] for t in s["top"]}
     assert by_name["triton_poi_fused__scaled_mm__to_copy_abs_clamp_mul_reciprocal_t_view_3"] == "float8"
@@ -222,12 +224,12 @@ def test_weight_amax_inf_norm_is_a_float8_cast_and_the_grad_norm_is_not():
     def foreach_norm(order: str) -> list[dict]:
         return [_cpu("aten::_foreach_norm", 0.0, 1.0, ext=9) | {"args": {"Concrete Inputs": ["", order, ""]}}]
 
-    assert ps.classify("multi_tensor_apply_kernel<LpNormFunctor>", foreach_norm("inf")) == "float8"
-    assert ps.classify("multi_tensor_apply_kernel<LpNormFunctor>", foreach_norm("2.")) == "optimizer"
+    assert traces.classify("multi_tensor_apply_kernel<LpNormFunctor>", foreach_norm("inf")) == "float8"
+    assert traces.classify("multi_tensor_apply_kernel<LpNormFunctor>", foreach_norm("2.")) == "optimizer"
 
 
 def test_every_class_is_in_the_docstring():
-    assert all(label in ps.__doc__ for label in ps.CLASSES.values())
+    assert all(label in traces.__doc__ for label in traces.CLASSES.values())
 
 
 def gpu_name(i: int) -> str:
@@ -271,7 +273,7 @@ def test_a_real_cpu_trace_is_summarised_by_op(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "no GPU kernels in this trace" in result.stdout.splitlines()[0]
-    s = ps.summarize(ps.load_trace(path), top=1000)
+    s = traces.summarize(traces.load_trace(path), top=1000)
     assert s["device"] == "cpu" and "gpu_idle_ms" not in s
     by_name = {(t["class"], t["name"]): t["count"] for t in s["top"]}
     classes = {name: cls for cls, name in by_name}

@@ -10,8 +10,8 @@ from pathlib import Path
 from scripts import bench_ac, bench_float8, make_corpus, make_sft_data, train_tokenizer
 from scripts import compare_throughput as ct
 from scripts import gpu_check as gc
-from scripts.cells import keep_earlier_results
-from scripts.compare_run import CellResult
+from scripts.harness.compare.run import CellResult
+from trainer.run_folder import keep_earlier_results
 
 
 def _fill(folder: Path, *names: str) -> None:

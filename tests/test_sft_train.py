@@ -19,13 +19,14 @@ import pytest
 import torch
 
 from models.llama import LLAMA2_FLAVORS, Transformer
+from models.llama.generation import generate
 from scripts import eval_sft
-from scripts.generate import chat_prompt, generate
 from tests.helpers import ROOT, read_metrics, run_train
 from trainer.config import build_config
 from trainer.data.loader import IGNORE_INDEX, build_dataloader
 from trainer.data.sft import load_sft_rows, reference_answer
 from trainer.data.tokenizer import Tokenizer
+from trainer.inference import chat_prompt
 from trainer.trainer import sft_options
 
 SFT = "configs/debug_sft.toml"

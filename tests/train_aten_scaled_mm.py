@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from float8.gemm import scaled_mm_cpu
 
-from float8.gemm import scaled_mm_cpu  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 _original = torch._scaled_mm
 

@@ -20,12 +20,11 @@ import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from trainer.metrics import logger as metrics_logger
+from trainer.step import StepRunner
+from trainer.trainer import Trainer
 
-from trainer.metrics import logger as metrics_logger  # noqa: E402
-from trainer.step import StepRunner  # noqa: E402
-from trainer.trainer import Trainer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WHERE, _, N = os.environ["CRASH"].partition(":")
 N = int(N)

@@ -12,10 +12,9 @@ import runpy
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from trainer.step import StepRunner
 
-from trainer.step import StepRunner  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 POISONED = {int(n) for n in os.environ["NONFINITE_ATTEMPTS"].split(",")}
 _original = StepRunner.loss_sum

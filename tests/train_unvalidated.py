@@ -11,10 +11,9 @@ import runpy
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import trainer.data.loader
 
-import trainer.data.loader  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 trainer.data.loader.VALIDATE_MAX_BYTES = 0
 sys.argv = [str(ROOT / "train.py"), *sys.argv[1:]]

@@ -4,11 +4,13 @@ Bad input (a UserError) is one line, `error: <the problem>`, exit 2; Ctrl-C is o
 130; anything unforeseen is one line naming the exception and the file holding its traceback,
 exit 1; an exception that ends a background thread (TensorBoard's writer, a library's worker)
 is kept for the main thread instead of printed (trainer/threads.py). A script's `__main__` is
-`sys.exit(run_command(main))`.
+`sys.exit(run_command(main))`, and its parser an `ArgParser`, so that a mistake on its command
+line is such a line too.
 """
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +22,13 @@ from trainer.errors import UserError, report
 from trainer.threads import install_thread_excepthook, raise_thread_failure
 
 INTERRUPTED_EXIT = 130
+
+
+class ArgParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are UserErrors: one line under run_command, not argparse's usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(message)
 
 
 class Interrupted(UserError):

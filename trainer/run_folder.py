@@ -1,4 +1,5 @@
-"""The dump folder: writable before any work, owned by one run at a time, earlier runs' records kept.
+"""The dump folder: writable before any work, owned by one run at a time, earlier runs' records kept
+(and the scripts' rules for an output that exists: benchmarks keep earlier results, generators refuse).
 
 ``<dump>/.lock`` names the run that owns the folder (host, pid, start time). It is created
 complete or not at all (written aside, then hard-linked into place, which fails if a lock
@@ -17,7 +18,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,30 @@ def move_previous_records(folder: Path) -> Path | None:
     Returns the folder they went to, or None when there was nothing to keep.
     """
     return set_aside(folder, [folder / name for name in RECORDS], copy=False)
+
+
+def keep_earlier_results(folder: Path, names: Iterable[str]) -> Path | None:
+    """A benchmark's rule for its --out folder: check that it is a writable folder, then move the
+    entries `names` of it that exist into ``previous-N/``, as a fresh run keeps an earlier run's
+    records, and say so in one line.
+
+    Called before any new result is written, so a run that fails leaves the earlier results intact.
+    Returns the folder they went to, or None when there was nothing to keep.
+    """
+    check_writable(folder, "--out")
+    present = [folder / name for name in dict.fromkeys(names) if (folder / name).exists()]
+    target = set_aside(folder, present, copy=False)
+    if target is not None:
+        info(f"kept the earlier {', '.join(p.name for p in present)} in {target}/")
+    return target
+
+
+def refuse_to_overwrite(paths: Iterable[Path], flag: str = "--force") -> None:
+    """A generator's rule for its outputs: a UserError naming the first of `paths` that exists, unless
+    the user passed `flag`."""
+    for path in paths:
+        if path.exists():
+            raise UserError(f"{path} exists; pass {flag} to overwrite it, or choose another --out")
 
 
 def keep_records(folder: Path, resumed: bool, rolled_back: bool) -> None:

@@ -15,7 +15,7 @@ only here, inside functions, and only for impl = "torchao" (the optional `refere
     float8.tp styles (tensorwise)           torchao.float8.float8_tensor_parallel styles
 
 `filter = "auto"` and `metrics.float8_stats_freq` are this package's alone: options.py
-refuses them with impl = "torchao". scripts/float8_impls.py converts benchmark modules with these.
+refuses them with impl = "torchao". scripts/harness/float8_bench/impls.py converts benchmark modules with these.
 """
 
 from __future__ import annotations

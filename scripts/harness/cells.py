@@ -1,19 +1,14 @@
 """Running train.py cells as subprocesses and reading what they leave behind.
 
-A cell is one train.py run of one precision x compile mode. scripts/compare_run.py,
-gpu_check_runs.py and bench_ac.py build their runs from these parts: the train.py options
-that define a cell, the launch command, a run logged as it goes, the reason a run failed,
-its metrics.jsonl and their medians, and the machine it ran on. The argument helpers at the
-end are what the scripts' command lines share (the train.py arguments after `--` and their
-checks, the command and date a report records, a result file read back), with the two rules
-for an output that exists: benchmarks keep earlier results (`keep_earlier_results`),
-generators refuse (`refuse_to_overwrite`).
+A cell is one train.py run of one precision x compile mode. compare/run.py, gpu_check/runs.py
+and scripts/bench_ac.py build their runs from these parts: the train.py options that define a
+cell, the launch command, a run logged as it goes, the reason a run failed, its metrics.jsonl
+and their medians, and the machine it ran on. What the commands' command lines share is
+arguments.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import platform
@@ -25,16 +20,12 @@ import sys
 import threading
 import typing
 from collections import deque
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from trainer.config import CompileMode, Float8Impl, Float8Scaling
-from trainer.errors import UserError
-from trainer.records import set_aside
-from trainer.run_folder import check_writable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRECISIONS = ("bf16", *typing.get_args(Float8Scaling))
 COMPILE_MODES = typing.get_args(CompileMode)
 IMPLS = typing.get_args(Float8Impl)
@@ -222,119 +213,3 @@ def environment() -> dict[str, Any]:
         "cpu": _cpu_name(),
         "os": f"{platform.system()} {platform.release()}",
     }
-
-
-class BadArgs(UserError):
-    """A command-line mistake; its message is the one line the script prints before exiting 2."""
-
-
-class ArgParser(argparse.ArgumentParser):
-    """An ArgumentParser that raises BadArgs instead of printing its usage block and exiting."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise BadArgs(message)
-
-
-def split_train_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the script's own arguments, the train.py arguments after `--`)."""
-    if "--" not in argv:
-        return argv, []
-    cut = argv.index("--")
-    return argv[:cut], argv[cut + 1:]
-
-
-def check_run_counts(cli: argparse.Namespace) -> None:
-    """--nproc and --steps positive; --warmup defaulted to min(3, steps-1) and inside [0, steps)."""
-    if cli.nproc < 1:
-        raise BadArgs(f"--nproc must be >= 1, got {cli.nproc}")
-    if cli.steps < 1:
-        raise BadArgs(f"--steps must be >= 1, got {cli.steps}")
-    if cli.warmup is None:
-        cli.warmup = min(3, cli.steps - 1)
-    if not 0 <= cli.warmup < cli.steps:
-        raise BadArgs(f"--warmup must be in [0, steps), got {cli.warmup} with --steps {cli.steps}")
-
-
-def check_config_and_overrides(config: str, extras: list[str], unit: str, own_flags: str) -> None:
-    """The config file exists, and the train.py arguments after `--` leave alone what the script
-    sets for each `unit` (cell or run); `own_flags` names the script's options for those."""
-    if not Path(config).is_file():
-        raise BadArgs(f"config file not found: {config}")
-    owned = set(option_names(cell_overrides("rowwise", "none", 1, "x", 1))) - {"float8.fsdp_float8_all_gather"}
-    for name in option_names(extras):
-        if name == "config":
-            raise BadArgs("pass --config before `--`, not after it")
-        if name in owned:
-            raise BadArgs(f"--{name} is set for each {unit} by this script; use {own_flags}")
-
-
-def check_train_overrides(config: str, extras: list[str], cells: Iterable[tuple[str, str, str | None]],
-                          steps: int, profile_step: int | None = None) -> None:
-    """Let train.py's own config validation reject bad overrides once per (precision, compile mode,
-    float8 impl) cell, before any run starts."""
-    from trainer.config import build_config
-    from trainer.errors import UserError
-
-    for precision, mode, impl in cells:
-        try:
-            build_config(["--config", config, *extras,
-                          *cell_overrides(precision, mode, steps, "x", profile_step, impl)])
-        except UserError as e:
-            raise BadArgs(str(e)) from None
-
-
-def invocation(script_file: str, argv: list[str]) -> tuple[str, str, str]:
-    """(train.py's path, the script's command line as typed, the UTC date) for a report: paths
-    relative to the repository when run from its root."""
-    at_root = Path.cwd().resolve() == ROOT
-    script = str(Path(script_file).resolve())
-    train_py = "train.py" if at_root else str(ROOT / "train.py")
-    shown = str(Path(script).relative_to(ROOT)) if at_root else script
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return train_py, shlex.join(["python", shown, *argv]), date
-
-
-def load_json_file(path: Path, error: type[Exception]) -> Any:
-    """The JSON in `path`; raises `error` with a one-line reason when it is missing, unreadable or not JSON."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except OSError as e:
-        raise error(f"{path}: cannot read it ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path}: not JSON ({e})") from None
-
-
-def comma_names(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
-    """The distinct names of a comma list, in order; raises BadArgs for an empty list or an unknown name."""
-    names = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    if not names:
-        raise BadArgs(f"{option} needs at least one of {', '.join(allowed)}")
-    for n in names:
-        if n not in allowed:
-            raise BadArgs(f"{option}: unknown name '{n}' (choose from {', '.join(allowed)})")
-    return names
-
-
-def keep_earlier_results(folder: Path, names: Iterable[str]) -> Path | None:
-    """Check that `folder` (--out) is a writable folder, then move the entries `names` of it that
-    exist into ``folder/previous-N/`` (N = 1, 2, ...), as train.py keeps an earlier run's records,
-    and say so in one line.
-
-    Called before any new result is written, so a run that fails leaves the earlier results intact.
-    Returns the folder they went to, or None when there was nothing to keep.
-    """
-    check_writable(folder, "--out")
-    present = [folder / name for name in dict.fromkeys(names) if (folder / name).exists()]
-    target = set_aside(folder, present, copy=False)
-    if target is not None:
-        print(f"kept the earlier {', '.join(p.name for p in present)} in {target}/", flush=True)
-    return target
-
-
-def refuse_to_overwrite(paths: Iterable[Path], flag: str = "--force") -> None:
-    """Raise BadArgs naming the first of `paths` that exists: a generator overwrites only when asked to."""
-    for path in paths:
-        if path.exists():
-            raise BadArgs(f"{path} exists; pass {flag} to overwrite it, or choose another --out")

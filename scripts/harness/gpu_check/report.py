@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from scripts.compare_report import format_number
-from scripts.gpu_check_checks import WARMUP
+from scripts.harness.compare.report import format_number
+from scripts.harness.gpu_check.checks import WARMUP
 
 
 @dataclasses.dataclass

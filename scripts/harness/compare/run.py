@@ -1,7 +1,7 @@
 """Running one comparison cell: its train.py run, its metrics, its TensorBoard files and profile.
 
-Used by scripts/compare_throughput.py; the running and parsing itself is scripts/cells.py's.
-compare_report.py turns the CellResults into tables and compare_chart.py into the chart.
+Used by scripts/compare_throughput.py and scripts/loss_compare.py; the running and parsing itself is
+cells.py's. report.py turns the CellResults into tables and chart.py into the chart.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import (
+from scripts.harness.cells import (
     DEFAULT_IMPL,
     cell_overrides,
     display_command,
@@ -25,8 +25,8 @@ from scripts.cells import (
     summarize_metrics,
     train_launcher,
 )
-from scripts.profile_summary import TraceError, load_trace
-from scripts.profile_summary import summarize as summarize_trace
+from scripts.harness.traces import TraceError, load_trace
+from scripts.harness.traces import summarize as summarize_trace
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ class CellResult:
     steps_measured: int | None = None
     speedup_vs_bf16_eager: float | None = None
     speedup_vs_bf16_same_compile: float | None = None
-    # scripts/profile_summary.py's summary of the profiled step (rank 0), or {"error": ...}.
+    # traces.py's summary of the profiled step (rank 0), or {"error": ...}.
     profile: dict[str, Any] | None = None
 
     @property

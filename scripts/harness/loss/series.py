@@ -1,7 +1,7 @@
 """The loss series of scripts/loss_compare.py's runs and the numbers read off them: the tail mean,
 gaps, moving averages, held-out losses by step, and which run is the bf16 baseline of a seed.
 
-A run is a dict as loss_compare.json keeps it (scripts/loss_report.py says which keys).
+A run is a dict as loss_compare.json keeps it (report.py says which keys).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import statistics
 from typing import Any
 
-from scripts.cells import BASELINE
+from scripts.harness.cells import BASELINE
 
 
 def default_window(steps: int) -> int:

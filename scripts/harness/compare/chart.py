@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import COMPILE_MODES, IMPLS, PRECISIONS
-from scripts.compare_report import Run, add_speedups, speedup_text
-from scripts.compare_run import CellResult
+from scripts.harness.cells import COMPILE_MODES, IMPLS, PRECISIONS
+from scripts.harness.compare.report import Run, add_speedups, speedup_text
+from scripts.harness.compare.run import CellResult
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import (
+from scripts.harness.cells import (
     cell_overrides,
     display_command,
     failure_reason,
@@ -30,7 +30,7 @@ from scripts.cells import (
     summarize_metrics,
     train_launcher,
 )
-from scripts.gpu_check_checks import (
+from scripts.harness.gpu_check.checks import (
     CKPT_STEP,
     SFT_LOSS_RTOL,
     WARMUP,
@@ -39,7 +39,7 @@ from scripts.gpu_check_checks import (
     rel_diff,
     resume_verdict,
 )
-from scripts.gpu_check_report import Row
+from scripts.harness.gpu_check.report import Row
 
 _RESUMED = re.compile(r"resumed from checkpoint at step (\d+)")
 _LOADED = re.compile(r"loaded initial weights \(\w+\) from .* in ([\d.]+)s; "

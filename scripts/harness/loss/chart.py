@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import PRECISIONS
-from scripts.compare_chart import pyplot_for
-from scripts.loss_seeds import METRIC_NAMES, seed_metric
-from scripts.loss_series import baseline_of, moving_average, relative_gap_pct, validation_of
+from scripts.harness.cells import PRECISIONS
+from scripts.harness.compare.chart import pyplot_for
+from scripts.harness.loss.seeds import METRIC_NAMES, seed_metric
+from scripts.harness.loss.series import baseline_of, moving_average, relative_gap_pct, validation_of
 
 
 def _title(report: dict[str, Any]) -> str:

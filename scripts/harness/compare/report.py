@@ -6,9 +6,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import BASELINE, COMPILE_MODES, DEFAULT_IMPL, IMPLS, PRECISIONS, load_json_file
-from scripts.compare_run import CellResult
-from scripts.profile_summary import CLASSES
+from scripts.harness.arguments import load_json_file
+from scripts.harness.cells import BASELINE, COMPILE_MODES, DEFAULT_IMPL, IMPLS, PRECISIONS
+from scripts.harness.compare.run import CellResult
+from scripts.harness.traces import CLASSES
 
 
 class ResultFileError(Exception):

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 
-from scripts.cells import BadArgs, refuse_to_overwrite
 from trainer.data.globbing import SPECIAL_FILESYSTEMS, glob_files, glob_root
+from trainer.errors import UserError
+from trainer.run_folder import refuse_to_overwrite
 
 HELDOUT_NAME = "valid"
 DEFAULTS = {
@@ -60,20 +61,20 @@ def check_mode(args: argparse.Namespace, synthetic_given: list[str]) -> None:
         given.insert(0, "--heldout-out")
     if not args.from_files:
         if given:
-            raise BadArgs(f"{given[0]} needs --from-files")
+            raise UserError(f"{given[0]} needs --from-files")
         return
     if synthetic_given:
-        raise BadArgs(f"{synthetic_given[0]} is for the synthetic corpus; it cannot be mixed with --from-files")
+        raise UserError(f"{synthetic_given[0]} is for the synthetic corpus; it cannot be mixed with --from-files")
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
     if args.heldout_out is None:
-        raise BadArgs("--from-files needs --heldout-out FOLDER for the held-out split")
+        raise UserError("--from-files needs --heldout-out FOLDER for the held-out split")
     for option in ("shards", "heldout_shards", "max_file_bytes"):
         if getattr(args, option) < 1:
-            raise BadArgs(f"--{option.replace('_', '-')} must be at least 1")
+            raise UserError(f"--{option.replace('_', '-')} must be at least 1")
     if Path(args.out).resolve() == Path(args.heldout_out).resolve() and args.name == HELDOUT_NAME:
-        raise BadArgs(f"--out and --heldout-out are the same folder and both name their shards "
+        raise UserError(f"--out and --heldout-out are the same folder and both name their shards "
                       f"{HELDOUT_NAME}-*.jsonl; choose another --heldout-out or --name")
 
 
@@ -82,7 +83,7 @@ def check_not_special(pattern: str) -> None:
     real = os.path.realpath(glob_root(pattern))
     for special in SPECIAL_FILESYSTEMS:
         if real == special or real.startswith(special + "/"):
-            raise BadArgs(f"--from-files {pattern}: {special} is a special filesystem of the kernel (its files are "
+            raise UserError(f"--from-files {pattern}: {special} is a special filesystem of the kernel (its files are "
                           "not text, and some never end); give folders of text files")
 
 
@@ -164,7 +165,7 @@ def read_document(path: str, max_bytes: int) -> tuple[str | None, str | None]:
 
 
 def build(args: argparse.Namespace) -> tuple[Split, Split, int]:
-    """Read and split the files (train, held-out, files excluded); raises BadArgs, writes nothing."""
+    """Read and split the files (train, held-out, files excluded); raises UserError, writes nothing."""
     train = Split(Path(args.out), args.name, args.shards)
     heldout = Split(Path(args.heldout_out), HELDOUT_NAME, args.heldout_shards)
     earlier = [p for s in (train, heldout) for p in sorted(s.folder.glob(f"{s.name}-[0-9][0-9][0-9][0-9][0-9].jsonl"))]
@@ -173,7 +174,7 @@ def build(args: argparse.Namespace) -> tuple[Split, Split, int]:
     files, excluded = matched_files(args.from_files, args.exclude)
     if not files:
         more = f" ({excluded} under --exclude directories)" if excluded else ""
-        raise BadArgs(f"no file matches {' '.join(args.from_files)}{more}")
+        raise UserError(f"no file matches {' '.join(args.from_files)}{more}")
     texts: set[bytes] = set()
     progress = Progress(len(files))
     for path, rel in files:
@@ -192,13 +193,13 @@ def build(args: argparse.Namespace) -> tuple[Split, Split, int]:
     kept = len(train.docs) + len(heldout.docs)
     if not kept:
         skips = {k: train.skipped[k] + heldout.skipped[k] for k in SKIPS}
-        raise BadArgs(f"all {len(files)} matched files were skipped ("
+        raise UserError(f"all {len(files)} matched files were skipped ("
                       + ", ".join(f"{n} {why}" for why, n in skips.items() if n) + ")")
     if not heldout.docs:
-        raise BadArgs(f"the held-out split would be empty (none of the {kept} documents falls in "
+        raise UserError(f"the held-out split would be empty (none of the {kept} documents falls in "
                       f"--heldout-pct {args.heldout_pct:g}); raise --heldout-pct")
     if not train.docs:
-        raise BadArgs(f"the held-out split would take every file ({kept} of {kept} documents at "
+        raise UserError(f"the held-out split would take every file ({kept} of {kept} documents at "
                       f"--heldout-pct {args.heldout_pct:g}); lower --heldout-pct")
     for split in (train, heldout):
         random.Random(args.seed).shuffle(split.docs)

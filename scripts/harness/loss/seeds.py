@@ -13,8 +13,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from scripts.cells import BASELINE, PRECISIONS
-from scripts.loss_series import baseline_of, relative_gap_pct, tail_mean, validation_of
+from scripts.harness.cells import BASELINE, PRECISIONS
+from scripts.harness.loss.series import baseline_of, relative_gap_pct, tail_mean, validation_of
 
 LAST_EVALUATIONS = 5  # the held-out losses a seed comparison averages
 

@@ -7,7 +7,7 @@ run of the same seed, by step) and the verdicts; it is what a merge calls again 
 several parts, so nothing is trusted from them. Gaps are signed, relative to bf16, in %: positive
 when float8's loss is higher (worse).
 
-With seeds, the verdicts weigh each recipe's gap against bf16's own seed noise (scripts/loss_seeds.py).
+With seeds, the verdicts weigh each recipe's gap against bf16's own seed noise (seeds.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scripts.cells import BASELINE, PRECISIONS, load_json_file
-from scripts.compare_report import format_number
-from scripts.loss_seeds import render_seeds, seed_summary, seed_verdict
-from scripts.loss_series import (
+from scripts.harness.arguments import load_json_file
+from scripts.harness.cells import BASELINE, PRECISIONS
+from scripts.harness.compare.report import format_number
+from scripts.harness.loss.seeds import render_seeds, seed_summary, seed_verdict
+from scripts.harness.loss.series import (
     baseline_of,
     moving_average,
     relative_gap_pct,

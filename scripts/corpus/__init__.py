@@ -1,0 +1,1 @@
+"""Building pretraining corpora for make_corpus.py."""

@@ -1,0 +1,1 @@
+"""The GPU checklist's runs, verdicts and report (gpu_check.py)."""
