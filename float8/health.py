@@ -88,7 +88,8 @@ def float8_bytes_stats(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     values = data.to(torch.float32)
     absolute = values.abs()
     return torch.stack([
-        (absolute.max() / scale).double().reshape(()),
+        # Per element: a per-block scale is expanded to the data's shape.
+        (absolute / scale).max().double(),
         scale.min().double(),
         torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device),
         (values == 0).sum().double(),
