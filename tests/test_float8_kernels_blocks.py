@@ -63,7 +63,9 @@ def test_block_kernels_match_reference(shape, block):
     if block == (1, B):  # stored as cuBLAS's 1x128 operands take them: column by column
         assert (scale.stride(), scale_t.stride()) == ((1, m), (1, k))
     else:  # rows of the padded buffer cuBLAS's 128x128 operand reads: (blocks, round_up(blocks, 4))
-        assert (scale.stride(0), scale_t.stride(0)) == (-(-(-(-k // B)) // 4) * 4, -(-(-(-m // B)) // 4) * 4)
+        def padded_blocks(n: int) -> int:
+            return (n + 4 * B - 1) // (4 * B) * 4
+        assert (scale.stride(0), scale_t.stride(0)) == (padded_blocks(k), padded_blocks(m))
     # One layout alone: the same bytes and scales as that half of the pair.
     rows = cast_blockwise_layouts(x, block, E4M3)
     assert rows[1] is None and rows[4] is None and torch.equal(_bytes(rows[0]), _bytes(data)) and torch.equal(rows[2], scale)
