@@ -125,8 +125,8 @@ def _cublas_blockwise_mm(
     """`aten._scaled_mm_v2` on the layouts cuBLAS's block-scaled GEMMs take (sm_90): A row-major,
     B column-major, M a multiple of 4 and K of 128 (zero rows and columns added here, sliced off),
     fp32 scales, no fast accumulation. `F.scaled_mm` would do the same, but torch.compile(fullgraph=True)
-    cannot trace it; the aten op compiles."""
-    from torch.nn.functional import ScalingType, SwizzleType
+    cannot trace it; the aten op compiles (called through `_blockwise_scaled_mm`, below)."""
+    from torch.nn.functional import ScalingType
 
     if a_block != (1, 128) or b_block not in _CUBLAS_BLOCKS or a.dtype != E4M3 or b.dtype != E4M3:
         raise ValueError(f"cuBLAS scales e4m3 1x128 tiles by 1x128 or 128x128 ones, got {a.dtype} {a_block} x {b.dtype} {b_block}")
@@ -138,13 +138,31 @@ def _cublas_blockwise_mm(
         b = F.pad(b.view(torch.uint8), (0, pad_k)).view(b.dtype)
         a_inv = F.pad(a_inv, (0, 0, 0, pad_m), value=1.0)
     b_scale = _padded_block_scales(b_inv) if b_block == (128, 128) else _column_first(b_inv)
+    recipe = getattr(ScalingType, _CUBLAS_BLOCKS[b_block]).value
+    out = _blockwise_scaled_mm(a, b.t(), _column_first(a_inv), b_scale, recipe)
+    return out[:m] if pad_m else out
+
+
+def _scaled_mm_v2_blocks(
+    a: torch.Tensor, b_t: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, b_recipe: int
+) -> torch.Tensor:
+    from torch.nn.functional import ScalingType, SwizzleType
+
     none = SwizzleType.NO_SWIZZLE.value
-    out = torch.ops.aten._scaled_mm_v2.default(
-        a, b.t(), [_column_first(a_inv)], [ScalingType.BlockWise1x128.value], [none],
-        [b_scale], [getattr(ScalingType, _CUBLAS_BLOCKS[b_block]).value], [none],
+    return torch.ops.aten._scaled_mm_v2.default(
+        a, b_t, [a_scale], [ScalingType.BlockWise1x128.value], [none], [b_scale], [b_recipe], [none],
         None, torch.bfloat16, [], False,
     )
-    return out[:m] if pad_m else out
+
+
+# The aten op as an op whose inputs inductor passes with their exact strides: an implicit fallback
+# of an aten op in a compiled backward gets contiguous inputs (torch 2.11's inductor, graph.py),
+# which would turn B (column-major) and the scales (column by column, padded) into what cuBLAS
+# refuses or misreads. Its fake runs the aten op's own meta kernel, which checks the layouts.
+_blockwise_scaled_mm = torch.library.custom_op(
+    "float8_training::blockwise_scaled_mm", _scaled_mm_v2_blocks, mutates_args=(), tags=(torch.Tag.needs_exact_strides,)
+)
+_blockwise_scaled_mm.register_fake(_scaled_mm_v2_blocks)
 
 
 def blockwise_gemm_supported(device: torch.device) -> bool:
