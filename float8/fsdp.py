@@ -104,15 +104,17 @@ class Float8TrainingWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
-        layout = (first._cast, first._sharding)
         if func is torch.ops.aten.detach.default:
-            return cls(first._tensor, first._precomputed_scale, *layout)
+            w = args[0]
+            return cls(w._tensor, w._precomputed_scale, w._cast, w._sharding)
+        # The block layout goes to every shard and view FSDP makes (looked up for those ops only:
+        # the optimizer's ops on lists of weights pass through here too).
+        first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)) if func in _PRESERVE else None
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
-        if func not in _PRESERVE:
+        if first is None:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, None, *layout), out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, None, first._cast, first._sharding), out)
 
     def __tensor_flatten__(self):
         return ["_tensor"], (self._cast, self._sharding)
