@@ -189,7 +189,11 @@ def test_traced_fullgraph_is_eager_bitwise():
     model = nn.Sequential(nn.Linear(128, 256, bias=False), nn.SiLU(), nn.Linear(256, 128, bias=False))
     convert_to_float8_training(model, config=Float8Config(scaling="blockwise"))
     compiled = copy.deepcopy(model)
-    compiled.compile(fullgraph=True, backend="aot_eager")
+    # Static shapes: torch 2.11's dynamo fails (an assertion in autograd.Function's higher-order op,
+    # symbolic ints it lifts out of the forward) when the second linear's other shape recompiles
+    # with dynamic shapes; 2.13 traces it. The trainer compiles blocks whose linears trace in one
+    # frame (tests/test_parallel_2d.py: compiled per block).
+    compiled.compile(fullgraph=True, backend="aot_eager", dynamic=False)
     x, g = torch.randn(2, 96, 128), torch.randn(2, 96, 128)
     for a, b in zip(_run(model, x, g), _run(compiled, x, g)):
         assert torch.equal(a, b)
