@@ -1,10 +1,11 @@
-"""Float8 training for nn.Linear layers: dynamic tensorwise or rowwise scaling with torch._scaled_mm.
+"""Float8 training for nn.Linear layers: dynamic tensorwise, rowwise or blockwise (DeepSeek-V3) scaling.
 
     report = convert_to_float8_training(model, config=Float8Config(scaling="tensorwise"))
 
 Convert before tensor parallelism, torch.compile and FSDP2. With
 `fsdp_float8_all_gather=True`, call `precompute_float8_scales_for_fsdp(model)` after
-each optimizer step. A recipe is a `Float8Recipe` object (`RECIPES` holds the built-in ones,
+each optimizer step, and with blockwise pass `fully_shard(..., shard_placement_fn=
+fsdp_shard_placement(ranks))`. A recipe is a `Float8Recipe` object (`RECIPES` holds the built-in ones,
 read-only; torchao.float8's names are accepted for them) passed as `Float8Config(scaling=...)`;
 `Float8Config` is frozen. Importing or using the package changes no global torch setting;
 `raise_dynamo_recompile_limit` is for the caller to apply. `AutoFilter` is a
@@ -21,6 +22,7 @@ from float8.autofilter import AutoFilter, ShapeTiming, linear_shapes, time_linea
 from float8.config import Float8Config
 from float8.convert import Float8ConversionReport, KeepHighPrecision, convert_to_float8_training
 from float8.fsdp import precompute_float8_scales_for_fsdp
+from float8.fsdp_blocks import fsdp_shard_placement
 from float8.gemm import scaled_mm_supported
 from float8.linear import Float8Linear
 from float8.recipe import HIGH_PRECISION, RECIPES, Cast, Float8Recipe, Gemm, recipe_named
@@ -45,6 +47,7 @@ __all__ = [
     "PrepareFloat8ModuleInput",
     "ShapeTiming",
     "convert_to_float8_training",
+    "fsdp_shard_placement",
     "linear_shapes",
     "precompute_float8_scales_for_fsdp",
     "raise_dynamo_recompile_limit",

@@ -20,11 +20,12 @@ class Float8Config:
         (`float8.recipe.RECIPES`): "tensorwise" (one scale per tensor; e4m3 forward, e5m2
         gradients), "rowwise" (one power-of-two scale per row along each GEMM's contraction
         dim; all e4m3), "rowwise_gw_hp" (rowwise, but the weight gradient GEMM stays in high
-        precision). torchao.float8's names for the first two (strings or its
+        precision), "blockwise" (DeepSeek-V3's: power-of-two e4m3 scales per 1x128 tile of activations
+        and gradients and per 128x128 block of the weight). torchao.float8's names for the first two (strings or its
         `Float8LinearRecipeName` members) are accepted too. docs/float8/library.md tabulates every cast.
         `recipe` is the resolved `Float8Recipe`.
     emulate: float8 rounding with high-precision GEMMs, for hardware without float8 GEMMs.
-    fsdp_float8_all_gather: FSDP2 all-gathers weights as float8 (tensorwise only).
+    fsdp_float8_all_gather: FSDP2 all-gathers weights as float8 (tensorwise, blockwise).
     filter_fqns: skip modules whose fully qualified name contains any of these strings; the
         output layer by default (its logits feed the softmax directly: float8 costs accuracy
         there and saves little).
@@ -85,6 +86,6 @@ class Float8Config:
             raise ValueError(f"Float8Config.eager_casts must be one of {EAGER_CASTS}, got {self.eager_casts!r}")
         if self.fsdp_float8_all_gather and not recipe.weight_gatherable_in_float8:
             raise ValueError(
-                "Float8Config.fsdp_float8_all_gather needs a recipe that casts the weight to e4m3 with "
-                f"one scale per tensor in both GEMMs that read it (scaling='tensorwise'), got scaling={recipe.name!r}"
+                "Float8Config.fsdp_float8_all_gather needs a recipe that casts the weight to e4m3 alike in both GEMMs "
+                f"that read it, per tensor or in square blocks (scaling='tensorwise' or 'blockwise'), got scaling={recipe.name!r}"
             )

@@ -10,10 +10,6 @@ from torch import nn
 from float8.config import Float8Config
 from float8.linear import Float8Linear
 
-# cuBLAS float8 GEMMs need both weight dims to be multiples of 16.
-_ALIGN = 16
-
-
 # The rules that keep a linear in high precision, as `Float8ConversionReport.kept_by` names them
 # (a `KeepHighPrecision` may name its own, as filter = "auto"'s AutoFilter does).
 FILTER_FQNS, ALIGNMENT, MIN_FEATURES, MODULE_FILTER = "filter_fqns", "alignment", "min_features", "module_filter_fn"
@@ -75,15 +71,52 @@ class KeepHighPrecision:
 ModuleFilterFn = Callable[[nn.Module, str], bool | KeepHighPrecision]
 
 
+@dataclass(frozen=True)
+class TensorParallelAlignment:
+    """A `module_filter_fn` for linears that will run tensor parallel over `degree` ranks: each
+    rank's GEMMs take 1/degree of one feature dim (colwise the out, rowwise the in), which must
+    stay a multiple of `config`'s alignment (a blockwise rank's weight shard then holds whole
+    128x128 blocks, the blocks of the full weight). Either dim may be split, so both must fit."""
+
+    config: Float8Config
+    degree: int
+
+    def __call__(self, module: nn.Module, fqn: str) -> bool | KeepHighPrecision:
+        align = self.config.recipe.feature_alignment
+        for dim in ("in_features", "out_features"):
+            size = getattr(module, dim)
+            if size % (align * self.degree):
+                return KeepHighPrecision(f"{dim} {size} / TP {self.degree} not divisible by {align}", rule=ALIGNMENT)
+        return True
+
+
+def all_of(*filters: ModuleFilterFn | None) -> ModuleFilterFn | None:
+    """The `module_filter_fn` that converts what every given filter converts (the first refusal's
+    reason is the report's); None when none is given."""
+    given = [f for f in filters if f is not None]
+    if len(given) < 2:
+        return given[0] if given else None
+
+    def verdict(module: nn.Module, fqn: str) -> bool | KeepHighPrecision:
+        for f in given:
+            if not (answer := f(module, fqn)):
+                return answer
+        return True
+
+    return verdict
+
+
 def rules_skip(fqn: str, linear: nn.Linear, config: Float8Config) -> tuple[str, str] | None:
     """(rule, why) `config`'s rules (filter_fqns, alignment, min_features) keep `linear` in high
     precision, or None when they convert it."""
     if any(f in fqn for f in config.filter_fqns):
         return FILTER_FQNS, "filtered by filter_fqns"
+    # cuBLAS float8 GEMMs need both weight dims to be multiples of 16; block-scaled recipes of their tiles.
+    align = config.recipe.feature_alignment
     for dim in ("in_features", "out_features"):
         size = getattr(linear, dim)
-        if size % _ALIGN:
-            return ALIGNMENT, f"{dim} {size} not divisible by {_ALIGN}"
+        if size % align:
+            return ALIGNMENT, f"{dim} {size} not divisible by {align}"
     if min(linear.in_features, linear.out_features) < config.min_features:
         return MIN_FEATURES, "smaller than min_features"
     return None

@@ -1,4 +1,4 @@
-"""FSDP2 float8 all-gather of Float8Linear weights (tensorwise scaling).
+"""FSDP2 float8 all-gather of Float8Linear weights (tensorwise scaling; blockwise: float8/fsdp_blocks.py).
 
 Lifecycle of a weight with `fsdp_float8_all_gather=True`::
 
@@ -18,6 +18,10 @@ Lifecycle of a weight with `fsdp_float8_all_gather=True`::
                               no copy)
     Float8Linear forward uses that data and scale directly: no cast of the weight.
 
+A weight scaled per block (`Float8TrainingWeight(hp, cast=...)`) skips the amax all-reduce: each
+shard casts its own blocks, FSDP gathers the bytes, and the blocks' scales are all-gathered
+beside them (float8/fsdp_blocks.py says where such a weight is sharded and how).
+
 The two subclasses unwrap to plain tensors for every other op, so optimizers,
 initialisation, `to_empty` and state dicts see ordinary high-precision values.
 """
@@ -33,7 +37,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from float8.operands import cast_weight_with_scale
+from float8.blocks import expand_blocks
+from float8.fsdp_blocks import BlockSharding, block_shard_dim, gather_block_scales
+from float8.operands import cast_weight_with_scale, eager_backend, operand
+from float8.recipe import Cast
 from float8.scaling import E4M3, amax_to_scale
 
 # Ops that must keep the wrapper so FSDP's sharding, padding, copies and
@@ -69,9 +76,14 @@ class Float8TrainingWeight(torch.Tensor):
     # optimizer step, so the all-gathers of a step share one cast. Rewritten in place each
     # step: a single-rank unshard keeps its storage as the unsharded weight's bytes.
     _float8_shard: torch.Tensor | None
+    # A block-scaled weight's cast (None: one scale per tensor), and once FSDP asked
+    # `fsdp_shard_dim`, where it is sharded; both carried to every shard and view.
+    _cast: Cast | None
+    _sharding: BlockSharding | None
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None):
+    def __new__(cls, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None, cast: Cast | None = None,
+                sharding: BlockSharding | None = None):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -83,27 +95,53 @@ class Float8TrainingWeight(torch.Tensor):
             requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None):
+    def __init__(self, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None, cast: Cast | None = None,
+                 sharding: BlockSharding | None = None):
         self._tensor = tensor
         self._precomputed_scale = precomputed_scale
         self._float8_shard = None
+        self._cast, self._sharding = cast, sharding
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         if func is torch.ops.aten.detach.default:
-            return cls(args[0]._tensor, args[0]._precomputed_scale)
+            w = args[0]
+            return cls(w._tensor, w._precomputed_scale, w._cast, w._sharding)
+        # The block layout goes to every shard and view FSDP makes (looked up for those ops only:
+        # the optimizer's ops on lists of weights pass through here too).
+        first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)) if func in _PRESERVE else None
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
-        if func not in _PRESERVE:
+        if first is None:
             return out
-        return pytree.tree_map_only(torch.Tensor, cls, out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, None, first._cast, first._sharding), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], None
+        return ["_tensor"], (self._cast, self._sharding)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        return Float8TrainingWeight(inner_tensors["_tensor"])
+        return Float8TrainingWeight(inner_tensors["_tensor"], None, *ctx)
+
+    def fsdp_shard_dim(self, ranks: int) -> int:
+        """The dim FSDP2 shards this (unsharded) weight on over `ranks` ranks, remembered for its
+        all-gathers: 0, or for a block-scaled one the dim whose shards hold whole blocks
+        (`block_shard_dim`: one-line ValueError where none does). `fsdp_shard_placement` asks it."""
+        if self._cast is None:
+            return 0
+        dim = block_shard_dim(self.shape, self._cast.block, ranks)
+        self._sharding = BlockSharding(self._cast, dim, ranks, tuple(self.shape))
+        return dim
+
+    def block_sharding(self, ranks: int, unsharded: torch.Size | None) -> BlockSharding:
+        """Where this block-scaled shard sits: as `fsdp_shard_dim` chose, else FSDP's default dim 0
+        of `unsharded` (None: not known, on a 2-D mesh), which must then hold whole blocks."""
+        if self._sharding is not None:
+            return self._sharding
+        if unsharded is None or block_shard_dim(unsharded, self._cast.block, ranks) != 0:
+            raise ValueError(f"float8 blockwise: a {tuple(unsharded)} weight over {ranks} ranks needs another shard dim than 0: "
+                             "pass fully_shard(..., shard_placement_fn=float8.fsdp_shard_placement(ranks))")
+        return BlockSharding(self._cast, 0, ranks, tuple(unsharded))
 
     def __repr__(self) -> str:
         return f"Float8TrainingWeight({self._tensor})"
@@ -125,6 +163,11 @@ class Float8TrainingWeight(torch.Tensor):
         # Defaults make both FSDP call conventions work: (mesh) and
         # (mesh, outer_size, outer_stride, module, mp_policy).
         scale, data = self._precomputed_scale, self._float8_shard
+        if self._cast is not None and data is None:
+            sharding = self.block_sharding(mesh.size(), outer_size if mesh.ndim == 1 else None)
+            data, local_scale, _ = operand(self._tensor, self._cast, eager_backend(self.device.type, "auto"))
+            if scale is None:
+                scale = gather_block_scales([local_scale], [sharding], mesh.get_group())[0]
         if scale is None:
             amax = _amax(self._tensor)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
@@ -159,7 +202,7 @@ class Float8TrainingWeight(torch.Tensor):
                 inner._data = data.view(E4M3).view(inner._data.shape)
             return None
         data = data.view(E4M3)
-        return Float8GatheredWeight(data, scale, param_dtype), (data,)
+        return Float8GatheredWeight(data, scale, param_dtype, None if self._cast is None else self._cast.block), (data,)
 
 
 # Views of gathered float8 data (FSDP's as_strided, Parameter's detach, compile's aliases).
@@ -175,7 +218,8 @@ _GATHERED_VIEWS = {
 
 
 class Float8GatheredWeight(torch.Tensor):
-    """An all-gathered float8 weight: e4m3 data, its fp32 scale, and the dtype it stands for.
+    """An all-gathered float8 weight: e4m3 data, its fp32 scale (per `block` when given), and the
+    dtype it stands for.
 
     Float8Linear reads `_data` and `_scale` directly. Any other op sees the
     dequantized values, so the tensor still behaves like the weight it replaces.
@@ -183,9 +227,10 @@ class Float8GatheredWeight(torch.Tensor):
 
     _data: torch.Tensor
     _scale: torch.Tensor
+    _block: tuple[int, int] | None
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -196,27 +241,32 @@ class Float8GatheredWeight(torch.Tensor):
             requires_grad=False,
         )
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None):
         self._data = data
         self._scale = scale
+        self._block = block
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         kwargs = kwargs or {}
         if func in _GATHERED_VIEWS:
             w = args[0]
-            return cls(func(w._data, *args[1:], **kwargs), w._scale, w.dtype)
-        args, kwargs = pytree.tree_map_only(
-            cls, lambda t: (t._data.float() / t._scale).to(t.dtype), (args, kwargs)
-        )
+            if w._block is not None and func is torch.ops.aten.t.default:
+                return cls(w._data.t(), w._scale.t(), w.dtype, w._block)
+            return cls(func(w._data, *args[1:], **kwargs), w._scale, w.dtype, w._block)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantized(), (args, kwargs))
         return func(*args, **kwargs)
 
+    def dequantized(self) -> torch.Tensor:
+        scale = self._scale if self._block is None else expand_blocks(self._scale, self._block, self._data.shape)
+        return (self._data.float() / scale).to(self.dtype)
+
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], self.dtype
+        return ["_data", "_scale"], (self.dtype, self._block)
 
     @staticmethod
-    def __tensor_unflatten__(inner_tensors, dtype, outer_size, outer_stride):
-        return Float8GatheredWeight(inner_tensors["_data"], inner_tensors["_scale"], dtype)
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return Float8GatheredWeight(inner_tensors["_data"], inner_tensors["_scale"], *ctx)
 
     def __repr__(self) -> str:
         return f"Float8GatheredWeight(dtype={self.dtype}, shape={tuple(self.shape)}, scale={self._scale})"
@@ -253,8 +303,11 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
         return
     by_mesh: dict[Any, list[DTensor]] = {}
     for w in weights:
-        by_mesh.setdefault(w.device_mesh, []).append(w)
-    for mesh, group in by_mesh.items():
+        by_mesh.setdefault((w.device_mesh, w._local_tensor._cast is not None), []).append(w)
+    for (mesh, blocked), group in by_mesh.items():
+        if blocked:
+            _precompute_block_scales(mesh, group, cast_weights)
+            continue
         shards = [w._local_tensor._tensor for w in group]
         nonempty = [s for s in shards if s.numel()]
         norms = iter(torch._foreach_norm(nonempty, ord=math.inf)) if nonempty else iter(())
@@ -270,3 +323,18 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
             local._precomputed_scale = scale
             kept = local._float8_shard if cast_weights else None
             local._float8_shard = cast_weight_with_scale(shard, scale, E4M3, out=kept) if cast_weights else None
+
+
+def _precompute_block_scales(mesh: Any, weights: list[DTensor], cast_weights: bool) -> None:
+    """Block-scaled weights: each shard casts its own blocks, one all-gather of every weight's
+    scales over the FSDP dim (the first of the mesh); with `cast_weights` the bytes are kept."""
+    locals_ = [w._local_tensor for w in weights]
+    backend = eager_backend(locals_[0].device.type, "auto")
+    casts = [operand(local._tensor, local._cast, backend) for local in locals_]
+    shardings = [local.block_sharding(mesh.size(0), w.shape if mesh.ndim == 1 else None) for local, w in zip(locals_, weights)]
+    scales = gather_block_scales([c.scale for c in casts], shardings, mesh.get_group(0))
+    for local, cast, scale in zip(locals_, casts, scales):
+        local._precomputed_scale = scale
+        kept = local._float8_shard if cast_weights else None
+        # In place from the second step on: a single-rank unshard keeps this storage as the weight's bytes.
+        local._float8_shard = (cast.data if kept is None else kept.copy_(cast.data)) if cast_weights else None

@@ -4,7 +4,7 @@ For each converted linear and each operand its forward and input-gradient GEMMs 
 input x, the weight w, the output gradient g), on the steps it is armed:
 
     amax         the largest |value| of the high-precision operand
-    scale        the multiplier the cast applied (the smallest one for per-row scales)
+    scale        the multiplier the cast applied (the smallest one for per-row or per-block scales)
     underflow    the share of non-zero values that the cast sent to zero
     saturation   the share of non-zero values that landed on the float8 maximum
     underflow_norm_share   the share of the operand's squared L2 norm that those flushed values
@@ -88,7 +88,8 @@ def float8_bytes_stats(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     values = data.to(torch.float32)
     absolute = values.abs()
     return torch.stack([
-        (absolute.max() / scale).double().reshape(()),
+        # Per element: a per-block scale is expanded to the data's shape.
+        (absolute / scale).max().double(),
         scale.min().double(),
         torch.tensor(float(values.numel()), dtype=torch.float64, device=values.device),
         (values == 0).sum().double(),

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from float8.blocks import expand_blocks
 from float8.config import Float8Config
 from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight, plain_weight
-from float8.gemm import scaled_mm
+from float8.gemm import blockwise_mm, scaled_mm
 from float8.health import cast_stats, float8_bytes_stats, no_stats
 from float8.operands import (
     Operand,
@@ -43,6 +44,8 @@ def _gemm(gemm: Gemm, a: Operand, b: Operand, out_dtype: torch.dtype, emulate: b
         return torch.mm(a.data, b.data.t().to(a.data.dtype)).to(out_dtype)
     a_inv = a.scale.reciprocal() if a.inv is None else a.inv
     b_inv = b.scale.reciprocal() if b.inv is None else b.inv
+    if gemm.blockwise:
+        return blockwise_mm(a.data, b.data, a_inv, b_inv, gemm.lhs.block, gemm.rhs.block, out_dtype, emulate)
     if gemm.rowwise:
         # Row-wise kernels take per-row scales on both operands: repeat a per-tensor one.
         a_inv = a_inv.expand(a.data.shape[0], 1) if a_inv.ndim == 0 else a_inv
@@ -111,8 +114,8 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.gathered:
             w_op = transposed(Operand(w, w_scale, w_inv), backend)
         elif ctx.w_shared:
-            # The forward's scale, cast straight into the transposed layout.
-            w_op = Operand(cast_t_with_scale(w, w_scale, recipe.grad_input.rhs.dtype, backend), w_scale, w_inv)
+            # The forward's scale (or square blocks' scales), cast straight into the transposed layout.
+            w_op = Operand(cast_t_with_scale(w, w_scale, recipe.grad_input.rhs, backend), *map(_t, (w_scale, w_inv)))
         else:
             w_op = operand_t(w, recipe.grad_input.rhs, backend)
         grad_x = _gemm(recipe.grad_input, g_op, w_op, ctx.x_dtype, emulate)
@@ -127,13 +130,19 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_x.reshape(ctx.x_shape), grad_w, None, None, None, probe_grad
 
 
+def _t(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A scale for the transposed operand: per-block scales transpose, a per-tensor one stays."""
+    return scale.t() if scale is not None and scale.ndim == 2 else scale
+
+
 def _stats(hp: torch.Tensor, op: Operand, cast: Cast) -> torch.Tensor:
     """float8/health.py's stats of one operand's cast, from its high-precision values when there are any."""
     if op.scale is None:
         return no_stats(op.data.device)
+    scale = op.scale if cast.block is None else expand_blocks(op.scale, cast.block, op.data.shape)
     if isinstance(hp, Float8GatheredWeight):
-        return float8_bytes_stats(op.data, op.scale)
-    return cast_stats(hp, op.data, op.scale)
+        return float8_bytes_stats(op.data, scale)
+    return cast_stats(hp, op.data, scale)
 
 
 def float8_mm(
@@ -190,7 +199,9 @@ class Float8Linear(nn.Linear):
         new.train(linear.training)
         if config.fsdp_float8_all_gather:
             new.weight = nn.Parameter(
-                Float8TrainingWeight(linear.weight.data), requires_grad=linear.weight.requires_grad
+                # A block-scaled weight's shards cast their own blocks (float8/fsdp_blocks.py).
+                Float8TrainingWeight(linear.weight.data, cast=config.recipe.output.rhs if config.recipe.weight_blocks else None),
+                requires_grad=linear.weight.requires_grad
             )
             new._register_state_dict_hook(_plain_weight_in_state_dict)
         return new

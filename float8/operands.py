@@ -13,6 +13,7 @@ can round a scale 1 ulp off theirs (inductor's division), so its bytes differ no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from float8.blocks import cast_blocks_with_scale, cast_blockwise, cast_blockwise_t, kernel_block
 from float8.recipe import Cast
 from float8.scaling import (
     cast_colwise_t,
@@ -36,8 +38,9 @@ EAGER_CASTS = ("auto", "triton", "compiled", "plain")
 
 class Operand(NamedTuple):
     """A GEMM operand: data with the summed dim last and row-major; scale None for a
-    high-precision operand, 0-dim for one per tensor, (rows, 1) for one per row; inv the
-    scale's inverse where the cast computed it (torch._scaled_mm takes inverses)."""
+    high-precision operand, 0-dim for one per tensor, (rows, 1) for one per row, (rows / br,
+    summed / bc) for one per tile (float8/blocks.py); inv the scale's inverse where the cast
+    computed it (torch._scaled_mm takes inverses), in any strides."""
 
     data: torch.Tensor
     scale: torch.Tensor | None = None
@@ -74,16 +77,26 @@ def _kernels():
     return cast
 
 
-def _uses_kernels(t: torch.Tensor, backend: str) -> bool:
+def _block_kernels():
+    from float8.kernels import blocks
+
+    return blocks
+
+
+def _uses_kernels(t: torch.Tensor, backend: str, spec: Cast | None = None) -> bool:
     # Empty tensors (an FSDP shard with no rows) take the reference path: no zero-size grids.
-    return backend == "triton" and t.ndim == 2 and t.is_contiguous() and t.numel() > 0
+    return (backend == "triton" and t.ndim == 2 and t.is_contiguous() and t.numel() > 0
+            and (spec is None or spec.block is None or kernel_block(spec.block)))
 
 
 def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bool) -> tuple[Operand | None, Operand | None]:
     """`t` cast by the kernels as `spec` says, row-major and/or transposed (None where not asked):
     per tensor one scale serves both; per row, the transposed layout takes per-column scales."""
     kernels = _kernels()
-    if spec.amax_over is None:
+    if spec.block is not None:
+        data, data_t, scale, inv, scale_t, inv_t = _block_kernels().cast_blockwise_layouts(
+            t, spec.block, spec.dtype, spec.pow2, rowmajor=rowmajor, transposed=transposed)
+    elif spec.amax_over is None:
         data, data_t, scale, inv = kernels.cast_tensorwise_layouts(
             t, spec.dtype, spec.pow2, rowmajor=rowmajor, transposed=transposed)
         scale_t, inv_t = scale, inv
@@ -97,9 +110,11 @@ def operand(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
     """A 2-D `t` whose last dim the GEMM sums over, cast for it."""
     if spec.dtype is None:
         return Operand(t)
-    if _uses_kernels(t, backend):
+    if _uses_kernels(t, backend, spec):
         return _kernel_operands(t, spec, rowmajor=True, transposed=False)[0]
     fused = backend == "compiled"
+    if spec.block is not None:
+        return Operand(*cast_blockwise(t, spec.block, spec.dtype, spec.pow2, fused=fused))
     if spec.amax_over is None:
         return Operand(*cast_tensorwise(t, spec.dtype, spec.pow2, fused=fused))
     return Operand(*cast_rowwise(t, -1, spec.dtype, spec.pow2, fused=fused))
@@ -109,9 +124,11 @@ def operand_t(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
     """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout."""
     if spec.dtype is None:
         return Operand(t.t())
-    if _uses_kernels(t, backend):
+    if _uses_kernels(t, backend, spec):
         return _kernel_operands(t, spec, rowmajor=False, transposed=True)[1]
     fused = backend == "compiled"
+    if spec.block is not None:
+        return Operand(*cast_blockwise_t(t, spec.block, spec.dtype, spec.pow2, fused=fused))
     if spec.amax_over is None:
         data, scale = cast_tensorwise(t, spec.dtype, spec.pow2, fused=fused)
         return Operand(data.t().contiguous(), scale)
@@ -119,15 +136,19 @@ def operand_t(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
 
 
 def shared(spec: Cast, other: Cast) -> bool:
-    """Whether a tensor is cast the same, per tensor, for both of its GEMMs: one cast (one
-    scale) then serves both layouts."""
-    return spec == other and spec.dtype is not None and spec.amax_over is None
+    """Whether a tensor is cast the same for both of its GEMMs, per tensor or in the same square
+    blocks: one cast (one scale, or one per block) then serves both layouts."""
+    if spec.dtype is None:
+        return False
+    if spec.square_blocks:
+        return spec == dataclasses.replace(other, amax_over=spec.amax_over)
+    return spec == other and spec.amax_over is None
 
 
 def _one_kernel_pass(row_cast: Cast, t_cast: Cast) -> bool:
     """Whether the kernels cast for both GEMMs from one read: both float8 of one dtype and scale
     rounding, and both per tensor (then one scale) or both per row (along each GEMM's summed dim)."""
-    return (row_cast.dtype is not None and (row_cast.dtype, row_cast.pow2) == (t_cast.dtype, t_cast.pow2)
+    return (row_cast.dtype is not None and (row_cast.dtype, row_cast.pow2, row_cast.block) == (t_cast.dtype, t_cast.pow2, t_cast.block)
             and (row_cast.amax_over is None) == (t_cast.amax_over is None))
 
 
@@ -139,7 +160,7 @@ def operands_both(t: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str) -
     Otherwise one per-tensor cast serves both and the transposed copy waits for the caller
     (a backward, when it needs it); else each is cast on its own.
     """
-    if _uses_kernels(t, backend) and _one_kernel_pass(row_cast, t_cast):
+    if _uses_kernels(t, backend, row_cast) and _one_kernel_pass(row_cast, t_cast):
         rows, cols = _kernel_operands(t, row_cast, rowmajor=True, transposed=True)
         return rows, cols, False
     rows = operand(t, row_cast, backend)
@@ -152,20 +173,26 @@ def operands_both(t: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str) -
 
 def transposed(op: Operand, backend: str) -> Operand:
     """One GEMM's operand reused by another that sums over its other dim: a per-tensor scale
-    (or none) serves both, so only the layout changes."""
+    (or none) serves both, and square blocks' scales transpose with the data."""
     data, scale, inv = op
     if scale is None:
         return Operand(data.t())
+    if scale.ndim == 2:
+        scale, inv = scale.t(), None if inv is None else inv.t()
     if _uses_kernels(data, backend):
         return Operand(_kernels().transpose(data), scale, inv)
     return Operand(data.t().contiguous(), scale, inv)
 
 
-def cast_t_with_scale(t: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    """`t.T`, row-major, cast with a known per-tensor scale."""
+def cast_t_with_scale(t: torch.Tensor, scale: torch.Tensor, spec: Cast, backend: str) -> torch.Tensor:
+    """`t.T`, row-major, cast with a known per-tensor scale, or known scales of `spec`'s square blocks."""
+    if spec.block is not None:
+        if _uses_kernels(t, backend, spec):
+            return _block_kernels().cast_blockwise_layouts(t, spec.block, spec.dtype, scale=scale, rowmajor=False, transposed=True)[1]
+        return cast_blocks_with_scale(t, scale, spec.block, spec.dtype, fused=backend == "compiled").t().contiguous()
     if _uses_kernels(t, backend):
-        return _kernels().cast_tensorwise_layouts(t, float8_dtype, scale=scale, rowmajor=False, transposed=True)[1]
-    return cast_tensorwise_t(t, scale, float8_dtype, fused=backend == "compiled")
+        return _kernels().cast_tensorwise_layouts(t, spec.dtype, scale=scale, rowmajor=False, transposed=True)[1]
+    return cast_tensorwise_t(t, scale, spec.dtype, fused=backend == "compiled")
 
 
 def cast_weight_with_scale(

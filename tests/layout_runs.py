@@ -58,4 +58,7 @@ FLOAT8 = {
     "tensorwise": ["--float8.enabled", "true", "--float8.scaling", "tensorwise"],
     "rowwise": ["--float8.enabled", "true", "--float8.scaling", "rowwise",
                 "--float8.emulate", str(cpu_float8_emulated("rowwise")).lower()],
+    # Its float8 all-gather too: each FSDP shard casts its own 128x128 blocks. At TP=2 the debug
+    # model's wk/wv (128 -> 64 rows per rank) stay in bf16, where one process converts them.
+    "blockwise": ["--float8.enabled", "true", "--float8.scaling", "blockwise", "--float8.fsdp_float8_all_gather", "true"],
 }

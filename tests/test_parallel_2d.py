@@ -25,3 +25,15 @@ def test_2d_mesh_float8_all_gather_and_block_compile(losses):
     mesh2d = losses(["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
                      "--compile.mode", "block", "--compile.backend", "aot_eager", *extra], nproc=4)
     assert_close(single, mesh2d, 1e-2, "float8 FSDP=2 x TP=2 compiled vs 1 process eager")
+
+
+@pytest.mark.version_specific
+def test_2d_mesh_blockwise_all_gather_and_block_compile(losses):
+    # Blockwise with its float8 all-gather on the 2-D mesh, compiled per block (aot_eager): each TP
+    # rank's FSDP shards hold whole 128x128 blocks, several sharded on dim 1 (wq and w1's 128 and
+    # 384 TP-local rows would cut blocks over 2 FSDP ranks).
+    extra = FLOAT8["blockwise"]
+    single = losses(["--training.batch_size", "8", *extra])
+    mesh2d = losses(["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2",
+                     "--compile.mode", "block", "--compile.backend", "aot_eager", *extra], nproc=4)
+    assert_close(single, mesh2d, 1e-2, "blockwise FSDP=2 x TP=2 compiled vs 1 process eager")

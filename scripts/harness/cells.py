@@ -49,8 +49,8 @@ def cell_overrides(precision: str, compile_mode: str, steps: int, dump_folder: s
         args += ["--float8.scaling", precision]
         if impl is not None:
             args += ["--float8.impl", impl]
-    if precision != "tensorwise":
-        # float8 all-gather exists for tensorwise only; a config that turns it on (7b_fp8.toml)
+    if precision not in ("tensorwise", "blockwise"):
+        # float8 all-gather exists for these recipes only; a config that turns it on (7b_fp8.toml)
         # must not carry it into the other cells, where the advisor would flag it.
         args += ["--float8.fsdp_float8_all_gather", "false"]
     profiling = ["--profiling.enable", "false"]

@@ -17,7 +17,7 @@ from trainer.config.sources import SourceConfig
 
 ModelFlavor = Literal["debug", "7B", "13B", "70B"]
 AttentionKernel = Literal["auto", "sdpa", "flex"]
-Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp"]
+Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp", "blockwise"]
 Float8Filter = Literal["rules", "auto"]
 Float8Impl = Literal["ours", "torchao"]
 # float8.operands.EAGER_CASTS (tests/test_float8_training.py holds the two equal).
@@ -105,7 +105,7 @@ class Float8TrainingConfig:
     enabled: bool = _opt(False, "Convert eligible nn.Linear layers to float8 training linears.")
     scaling: Float8Scaling = _opt("tensorwise", "Scaling recipe.")
     emulate: bool = _opt(False, "Emulate float8 GEMMs in high precision (for hardware without float8 GEMMs; slow).")
-    fsdp_float8_all_gather: bool = _opt(False, "All-gather weights in float8 under FSDP (tensorwise only); halves weight traffic.")
+    fsdp_float8_all_gather: bool = _opt(False, "All-gather weights in float8 under FSDP (tensorwise, blockwise); halves weight traffic.")
     # Trainer-only: an argument of the post-step call, not a Float8Config field.
     cast_weights_once: bool = _opt(
         True,
@@ -119,7 +119,7 @@ class Float8TrainingConfig:
     # per micro-batch and compile mode, which only the trainer knows (the seam passes them to float8.autofilter).
     filter: Float8Filter = _opt(
         "rules",
-        "Which linears to convert: rules = every one that filter_fqns, min_features and the 16-alignment allow; "
+        "Which linears to convert: rules = every one that filter_fqns, min_features and the 16-alignment (blockwise: 128) allow; "
         "auto = of those, only the shapes whose float8 forward + backward, timed at start-up on the GPU at "
         "the run's tokens per micro-batch (eager or compiled as compile.mode), beats bf16 (on CPU: as rules).",
     )

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 from trainer.config import ActivationCheckpointConfig, CompileConfig
 from trainer.distributed.activation_checkpoint import apply_ac
 from trainer.distributed.single_rank_fast_path import apply_fast_path
+from trainer.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,28 @@ def apply_fsdp(
 ) -> None:
     """fully_shard each block, then the root (embedding, final norm and output)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    place = _shard_placement(dp_mesh.size())
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's weights are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
+                    shard_placement_fn=place)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, shard_placement_fn=place)
+
+
+def _shard_placement(ranks: int):
+    """FSDP2's `shard_placement_fn`: a parameter whose tensor names its own shard dim over `ranks`
+    (`fsdp_shard_dim`: block-scaled float8 weights, whose shards must hold whole blocks) gets it,
+    the rest FSDP's default (dim 0). A parameter that no dim can shard so is the layout's fault: one line."""
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        choose = getattr(param._local_tensor if isinstance(param, DTensor) else param, "fsdp_shard_dim", None)
+        if choose is None:
+            return None
+        try:
+            return Shard(choose(ranks))
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    return placement
 

@@ -15,13 +15,18 @@ class Float8Options(Protocol):
     enabled: bool
     impl: str
     filter: str
+    scaling: str
 
 
 def unsupported_option(f8: Float8Options, float8_stats_freq: int) -> str | None:
-    """Why the implementation `f8.impl` cannot run these options, or None: filter = 'auto' and
-    float8 health are this repository's float8 package's alone."""
+    """Why the implementation `f8.impl` cannot run these options, or None: the blockwise recipe,
+    filter = 'auto' and float8 health are this repository's float8 package's alone."""
     if not (f8.enabled and f8.impl == "torchao"):
         return None
+    if f8.scaling == "blockwise":
+        return ("float8.scaling = 'blockwise' is this repository's float8 package's (torchao.float8 has no such recipe; "
+                "its blockwise prototype is a separate linear without float8 all-gather): with float8.impl = 'torchao' "
+                "pick tensorwise, rowwise or rowwise_gw_hp")
     if f8.filter == "auto":
         return ("float8.filter = 'auto' times this repository's float8 linears, not torchao's: "
                 "with float8.impl = 'torchao' set float8.filter = 'rules'")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from float8 import Float8ConversionReport
-from float8.gemm import scaled_mm_supported
+from float8.gemm import blockwise_gemm_supported, scaled_mm_supported
 from float8.health import HealthReport
 from float8.recipe import RECIPES
 from trainer.config import Config, Float8TrainingConfig
@@ -37,6 +37,8 @@ class Float8RunContext:
     micro_batch_tokens: int
     # metrics.float8_stats_freq: float8 health every N steps, 0 = never.
     health_freq: int = 0
+    # parallelism.tensor_parallel_degree: each rank holds 1/tp of every converted linear.
+    tp_degree: int = 1
 
     @staticmethod
     def for_run(cfg: Config, device_type: str, param_dtype: str) -> Float8RunContext:
@@ -44,7 +46,7 @@ class Float8RunContext:
             device_type=device_type, compile_mode=cfg.compile.mode, param_dtype=param_dtype,
             float8_tensor_parallel=cfg.parallelism.float8_tensor_parallel,
             micro_batch_tokens=cfg.training.batch_size * cfg.training.seq_len,
-            health_freq=cfg.metrics.float8_stats_freq,
+            health_freq=cfg.metrics.float8_stats_freq, tp_degree=cfg.parallelism.tensor_parallel_degree,
         )
 
 
@@ -131,7 +133,7 @@ class Float8Rules:
         if self.f8.fsdp_float8_all_gather and not self.all_gather:
             notes.append(
                 f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{self.f8.scaling}' (weights are "
-                "all-gathered in bf16); use scaling = 'tensorwise' or set it false"
+                "all-gathered in bf16); use scaling = 'tensorwise' or 'blockwise', or set it false"
             )
         if self.recipe.weight_gatherable_in_float8 and not self.all_gather and dp_degree > 1:
             notes.append(
@@ -159,6 +161,14 @@ class Float8Rules:
             return
         if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             raise UserError(self.cuda_refusal(device))
+        if self.recipe.blockwise_gemms:
+            if not blockwise_gemm_supported(device):
+                raise UserError(
+                    f"float8.scaling = '{self.f8.scaling}' needs block-scaled float8 GEMMs, which torch runs on sm_90 "
+                    f"(H100/H200) only, not {torch.cuda.get_device_name(device)}; set float8.emulate = true to test, or "
+                    "scaling = 'rowwise' for per-row scales"
+                )
+            return  # a CPU runs them as their formula, whatever its torch (float8/gemm.py)
         rowwise = self.recipe.rowwise_gemms
         if device.type == "cpu" and not scaled_mm_supported(rowwise, "cpu"):
             raise UserError(
