@@ -1,24 +1,33 @@
 """Check float8 training numerics on this machine's GPU (or CPU) against an fp32 reference.
 
     python scripts/check_float8.py [--device cuda] [--tokens 4096]
+    python scripts/check_float8.py --model-gemms [--layers 2] [--batch 2] [--seq 4096] [--out sqnr.json]
 
 For each scaling recipe and each way of running it (eager; eager with unfused casts;
 compiled with the aot_eager and inductor backends) prints the SQNR in dB of the
 output, the input gradient and the weight gradient of one Float8Linear (bf16) against
 an fp32 nn.Linear, and exits 1 if any falls below the thresholds (output >= 25 dB,
 gradients >= 20 dB; a run on an H200: docs/benchmarks.md, "Float8 numerics on the GPU"). Use it after upgrading torch or drivers.
+
+With --model-gemms: the SQNR of each GEMM of every linear of a LLaMA-2 (--flavor, --layers) on
+operands captured from one real bf16 step, per recipe, and exit 1 where blockwise is not at least
+4 dB above tensorwise in a backward GEMM (scripts/harness/float8_bench/model_sqnr.py). Needs a GPU
+with block-scaled float8 GEMMs (sm_90) for the real GEMMs; `--device cpu --flavor debug` emulates them.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from float8 import RECIPES, Float8Config, Float8Linear
+from scripts.harness.float8_bench import model_sqnr
 
 THRESHOLDS = (25.0, 20.0, 20.0)
 
@@ -44,8 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--in-features", type=int, default=4096)
     parser.add_argument("--out-features", type=int, default=1024)
+    model = parser.add_argument_group("--model-gemms")
+    model.add_argument("--model-gemms", action="store_true", help="per-GEMM SQNR of a model's linears on a real step's operands")
+    model.add_argument("--flavor", default="7B", help="model shapes (debug with --device cpu: a smoke test)")
+    model.add_argument("--layers", type=int, default=2)
+    model.add_argument("--batch", type=int, default=2)
+    model.add_argument("--seq", type=int, default=4096)
+    model.add_argument("--recipes", default="tensorwise,rowwise,blockwise", type=lambda s: s.split(","))
+    model.add_argument("--corpus", default="data/corpus")
+    model.add_argument("--tokenizer", default="data/tokenizer.model")
+    model.add_argument("--out", help="write the table as JSON here")
     opts = parser.parse_args(argv)
     device = torch.device(opts.device)
+    if opts.model_gemms:
+        return check_model_gemms(opts, device)
     torch.manual_seed(0)
     ref = nn.Linear(opts.in_features, opts.out_features, bias=False, device=device)
     x = torch.randn(opts.tokens, opts.in_features, device=device)
@@ -72,6 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}: {'all within thresholds' if not failures else f'{failures} failing'}")
     return 1 if failures else 0
+
+
+def check_model_gemms(opts: argparse.Namespace, device: torch.device) -> int:
+    table = model_sqnr.sqnr_table(opts)
+    missed = model_sqnr.print_table(table, opts.recipes)
+    if opts.out:
+        Path(opts.out).write_text(json.dumps({"args": vars(opts), "sqnr_db": table, "missed": missed}, indent=1))
+    margin = f"tensorwise + {model_sqnr.MARGIN_DB:g} dB"
+    print(f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}: "
+          + (f"blockwise below {margin} in {len(missed)}: {'; '.join(missed)}" if missed
+             else f"blockwise >= {margin} in every backward GEMM"))
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
