@@ -59,7 +59,7 @@ def test_resolved_config_round_trips(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--float8.scaling", "rowise"], "float8.scaling = 'rowise' is not one of tensorwise, rowwise, rowwise_gw_hp (did you mean 'rowwise'?)"),
+        (["--float8.scaling", "rowise"], "float8.scaling = 'rowise' is not one of tensorwise, rowwise, rowwise_gw_hp, blockwise (did you mean 'rowwise'?)"),
         (["--compile.mode", "fast"], "compile.mode = 'fast' is not one of none, block, model"),
         (["--training.bach_size", "3"], "unknown config key training.bach_size (did you mean 'batch_size'?)"),
         (["--trainng.steps", "3"], "unknown config section [trainng] (did you mean 'training'?)"),
@@ -95,7 +95,7 @@ def test_bad_input_exits_2_with_one_line():
     result = run_train(["--float8.scaling", "rowise"])
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (
-        "error: float8.scaling = 'rowise' is not one of tensorwise, rowwise, rowwise_gw_hp (did you mean 'rowwise'?)"
+        "error: float8.scaling = 'rowise' is not one of tensorwise, rowwise, rowwise_gw_hp, blockwise (did you mean 'rowwise'?)"
     )
 
 

@@ -96,7 +96,7 @@ def test_one_process_skips_tp_and_parity_and_runs_the_rest():
     gc.skip_rows(table, cli.nproc)
     skipped = {r.name for r in table if r.result == "skipped"}
     assert skipped == {r.name for r in table if r.name.startswith(("tp-", "parity-"))}
-    assert len(skipped) == 2 * 4 * 2  # TP and parity rows: 4 precisions x 2 compile modes
+    assert len(skipped) == 2 * 5 * 2  # TP and parity rows: 5 precisions x 2 compile modes
     assert {r.reason for r in table if r.result == "skipped"} == {"needs 2 GPUs"}
     assert [r.name for r in table if r.group != "layouts" and r.result != "skipped"] == [
         "ac-full", "ac-selective", "compile-model", "resume-sync", "resume-async", "sft-hf", "sft-dcp"]
