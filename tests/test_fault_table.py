@@ -620,8 +620,8 @@ TABLE: dict[str, Case] = {
     "seq_len beyond the flavour": Case(
         2, r"^error: training\.seq_len = 4096 exceeds the max_seq_len 2048 of model\.flavor 'debug'",
         in_process(lambda t: dump_args(t, "--training.seq_len", "4096"))),
-    "misspelt choice": Case(2, r"^error: float8\.scaling = 'rowise' is not one of tensorwise, rowwise, rowwise_gw_hp "
-                               r"\(did you mean 'rowwise'\?\)$", in_process(lambda t: ["--float8.scaling", "rowise"])),
+    "misspelt choice": Case(2, r"^error: float8\.scaling = 'rowise' is not one of tensorwise, rowwise, rowwise_gw_hp, "
+                               r"blockwise \(did you mean 'rowwise'\?\)$", in_process(lambda t: ["--float8.scaling", "rowise"])),
     "NaN learning rate": Case(2, r"^error: --optimizer\.lr must be a finite number, got nan$",
                               in_process(lambda t: ["--optimizer.lr", "nan"])),
     "tensor parallel degree beyond the world": Case(
