@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.helpers import ROOT
-from tests.test_checkpoint_manager import STEPS, Run
+from tests.trainer.checkpoint.test_manager import STEPS, Run
 from trainer.checkpoint.identity import RUN_ID_FILE, RunIdentity, check_tokenizer
 from trainer.config import Config
 from trainer.data.tokenizer import Tokenizer

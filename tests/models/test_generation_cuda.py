@@ -8,7 +8,7 @@ import torch
 
 from models.llama import static_decoder
 from models.llama.generation import generate, generate_without_cache
-from tests.test_generation import PROMPTS, debug_model, eos_mid_way
+from tests.models.test_generation import PROMPTS, debug_model, eos_mid_way
 
 pytestmark = [
     pytest.mark.gpu,

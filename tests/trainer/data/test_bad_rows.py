@@ -15,7 +15,7 @@ import pytest
 import trainer.data.loader
 import trainer.data.source
 from tests.helpers import ROOT, read_metrics, run_train
-from tests.test_faults import SMALL, checkpoints, error_line, ok
+from tests.trainer.test_faults import SMALL, checkpoints, error_line, ok
 from trainer.data.loader import build_dataloader
 from trainer.data.sft import SFTOptions
 from trainer.data.tokenizer import Tokenizer

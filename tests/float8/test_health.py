@@ -210,7 +210,7 @@ def _two_rank_worker(rank: int) -> dict:
 
 @pytest.mark.slow
 def test_collect_reduces_over_ranks(tmp_path):
-    from tests.test_float8_distributed import _spawn
+    from tests.float8.test_distributed import _spawn
 
     m = _spawn(_two_rank_worker, tmp_path)
     assert m["float8/0/input/amax"] == 2000.0

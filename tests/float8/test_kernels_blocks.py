@@ -25,7 +25,7 @@ pytestmark = pytest.mark.version_specific
 pytest.importorskip("triton")
 
 from float8.kernels.blocks import cast_blockwise_layouts  # noqa: E402
-from tests.test_float8_kernels import _exact_values, rounding  # noqa: E402
+from tests.float8.test_kernels import _exact_values, rounding  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 B = 128

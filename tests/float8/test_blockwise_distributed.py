@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.test_float8_distributed import _spawn
+from tests.float8.test_distributed import _spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.version_specific]
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tests.helpers import run_train, write_lock
-from tests.test_checkpoint import one_error_line as error_line
+from tests.trainer.checkpoint.test_end_to_end import one_error_line as error_line
 from trainer.checkpoint.state import nonfinite_weights
 from trainer.config import build_config
 from trainer.errors import UserError

@@ -19,7 +19,7 @@ from scripts.harness.compare import chart
 from scripts.harness.compare import report as rep
 from scripts.harness.compare import run as cr
 from tests.helpers import ROOT
-from tests.test_profile_summary import EXPECTED, synthetic_trace
+from tests.scripts.test_profile_summary import EXPECTED, synthetic_trace
 from trainer.config import build_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.helpers import free_port
-from tests.test_data_sharding import in_threads, take, write_docs
+from tests.trainer.data.test_sharding import in_threads, take, write_docs
 from trainer.config import SourceConfig, build_config
 from trainer.data.loader import build_dataloader
 from trainer.data.mixture import PERIOD, Schedule
