@@ -1,8 +1,8 @@
 """The blockwise recipe (DeepSeek-V3's) on CPU: its accuracy against fp32, the table-driven linear
 against an explicit tile-by-tile reference bit for bit, floored amaxes, conversion and TP
 alignment, the cuBLAS scale layouts (checked by torch's meta kernel of `_scaled_mm_v2`), and
-compile. FSDP2 and TP: tests/test_float8_blockwise_distributed.py; kernels:
-tests/test_float8_kernels_blocks.py; the real GEMM: tests/test_float8_blockwise_cuda.py."""
+compile. FSDP2 and TP: tests/float8/test_blockwise_distributed.py; kernels:
+tests/float8/test_kernels_blocks.py; the real GEMM: tests/float8/test_blockwise_cuda.py."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def test_traced_fullgraph_is_eager_bitwise():
     # dynamo and AOTAutograd trace the tile casts and the emulated GEMM with no graph break; aot_eager
     # runs the traced ops as they are, so bitwise eager. (Inductor's CPU code took 134 s to compile
     # this on 2 cores; an earlier dequantize, repeat_interleave, failed its C++ codegen: the tiles are
-    # now reshapes. The debug model compiled with inductor: tests/test_float8_blockwise_distributed.py.)
+    # now reshapes. The debug model compiled with inductor: tests/float8/test_blockwise_distributed.py.)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256, bias=False), nn.SiLU(), nn.Linear(256, 128, bias=False))
     convert_to_float8_training(model, config=Float8Config(scaling="blockwise"))
@@ -192,7 +192,7 @@ def test_traced_fullgraph_is_eager_bitwise():
     # Static shapes: torch 2.11's dynamo fails (an assertion in autograd.Function's higher-order op,
     # symbolic ints it lifts out of the forward) when the second linear's other shape recompiles
     # with dynamic shapes; 2.13 traces it. The trainer compiles blocks whose linears trace in one
-    # frame (tests/test_parallel_2d.py: compiled per block).
+    # frame (tests/trainer/distributed/test_parallel_2d.py: compiled per block).
     compiled.compile(fullgraph=True, backend="aot_eager", dynamic=False)
     x, g = torch.randn(2, 96, 128), torch.randn(2, 96, 128)
     for a, b in zip(_run(model, x, g), _run(compiled, x, g)):

@@ -3,7 +3,7 @@
 multiplied in fp32) at LLaMA-2-7B shapes, K = 11008 (86 blocks: the weight scales' padding) and
 a token count that is not a multiple of 4 included; the Triton block casts bitwise the reference
 casts; and the blockwise linear's SQNR against fp32, eager and compiled. Skipped without CUDA;
-tests/test_float8_blockwise.py and tests/test_float8_kernels_blocks.py are the CPU side."""
+tests/float8/test_blockwise.py and tests/float8/test_kernels_blocks.py are the CPU side."""
 
 from __future__ import annotations
 

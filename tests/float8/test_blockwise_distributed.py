@@ -3,7 +3,7 @@
 dim 1, and the gathered float8 bytes and block scales are bitwise those of casting the full weight,
 at the first all-gather (scales gathered there) and after the post-step precompute (one scale
 all-gather per step, with and without the kept shards). The trainer's layouts (FSDP=2, TP=2,
-FSDP x TP) against one process: tests/test_parallel.py and tests/test_parallel_2d.py."""
+FSDP x TP) against one process: tests/trainer/distributed/test_parallel.py and tests/trainer/distributed/test_parallel_2d.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ masks and both layouts exactly as float8/scaling.py's reference casts; and Float
 eager_casts="triton" wired exactly as the plain casts. The interpreter rounds to float8 its own
 way (values just below a power of two even lose their carry), so the float8 bytes are compared
 with the interpreter's own rounding of the reference's fp32 values, and the Float8Linear test
-uses values every cast represents exactly. tests/test_float8_kernels_cuda.py compares the
+uses values every cast represents exactly. tests/float8/test_kernels_cuda.py compares the
 compiled kernels with the reference bit for bit on a GPU."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from float8.scaling import (
     cast_tensorwise,
     cast_with_scale,
 )
+from tests.helpers import ROOT
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the kernels in Triton's interpreter (tests/conftest.py sets it without a GPU)", allow_module_level=True)
@@ -286,5 +287,5 @@ def test_kernels_compile_for_hopper():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=600, cwd=ROOT)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

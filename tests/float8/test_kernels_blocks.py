@@ -1,8 +1,8 @@
 """float8/kernels/blocks.py under the Triton interpreter, on CPU tensors: per-tile scales and inverses
 bitwise float8/blocks.py's reference casts, in the layouts cuBLAS reads (1x128 tile scales stored
 column by column, 128x128 block scales in rows padded to 4), both layouts from one launch, and the
-float8 bytes the interpreter's rounding of the reference's fp32 values (as tests/test_float8_kernels.py
-compares the other kernels; tests/test_float8_blockwise_cuda.py compares them bit for bit on a GPU);
+float8 bytes the interpreter's rounding of the reference's fp32 values (as tests/float8/test_kernels.py
+compares the other kernels; tests/float8/test_blockwise_cuda.py compares them bit for bit on a GPU);
 and Float8Linear with eager_casts="triton" bitwise the plain one."""
 
 from __future__ import annotations

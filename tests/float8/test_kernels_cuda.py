@@ -1,7 +1,7 @@
 """float8/kernels compiled for a GPU: every byte, scale and inverse scale bitwise those of
 float8/scaling.py's reference casts (NaN and inf inputs included), and Float8Linear with
 eager_casts="triton" bitwise the plain and the compiled eager casts. Skipped without CUDA;
-tests/test_float8_kernels.py runs the same kernels in Triton's interpreter on a CPU."""
+tests/float8/test_kernels.py runs the same kernels in Triton's interpreter on a CPU."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from float8.scaling import E4M3, E5M2, cast_rowwise, cast_tensorwise, from_float
 from tests.helpers import cpu_float8_emulated
 
 SCALINGS = ["tensorwise", "rowwise", "rowwise_gw_hp"]
-# blockwise needs 128-aligned features (its compiled and recipe tests: tests/test_float8_blockwise.py).
+# blockwise needs 128-aligned features (its compiled and recipe tests: tests/float8/test_blockwise.py).
 WITH_BLOCKWISE = [*SCALINGS, "blockwise"]
 
 

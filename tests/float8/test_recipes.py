@@ -178,7 +178,7 @@ def test_what_each_recipe_allows():
         "tensorwise": (False, True, True),
         "rowwise": (True, False, False),
         "rowwise_gw_hp": (True, False, False),
-        "blockwise": (False, True, False),  # its block-scaled GEMMs: tests/test_float8_blockwise.py
+        "blockwise": (False, True, False),  # its block-scaled GEMMs: tests/float8/test_blockwise.py
     }
     assert not _torchao_rowwise_with_gw_hp().weight_gatherable_in_float8
 

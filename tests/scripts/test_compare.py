@@ -444,7 +444,7 @@ def test_bad_arguments_from_the_command_line(tmp_path):
 @pytest.mark.slow
 def test_reduced_comparison_on_cpu(tmp_path):
     out = tmp_path / "cmp"
-    # The harness is under test, not inductor (tests/test_parallel.py compiles with it): aot_eager
+    # The harness is under test, not inductor (tests/trainer/distributed/test_parallel.py compiles with it): aot_eager
     # traces the same blocks without inductor's C++ compiles, a minute of the cores.
     result = _run_script(["--config", "configs/debug.toml", "--steps", "3", "--precisions", "bf16,tensorwise",
                           "--compile", "none,block", "--out", str(out), "--", *TINY, "--compile.backend", "aot_eager"])

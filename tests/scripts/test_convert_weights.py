@@ -15,8 +15,8 @@ from models.llama import LLAMA2_FLAVORS, Transformer, initialized_model
 from models.llama.weight_conversion import hf_config_from_args, llama_to_hf
 from models.llama.weight_files import load_tensor_file, read_weights, write_weights
 from scripts.convert_weights import main
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DEBUG = LLAMA2_FLAVORS["debug"]
 
 

@@ -1,6 +1,5 @@
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 
@@ -175,7 +174,7 @@ def test_dry_run_7b_plan(capsys):
 
 
 def test_configuration_doc_lists_every_option_with_its_choices():
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    doc = (ROOT / "docs" / "configuration.md").read_text()
     sections = re.split(r"^## \[(\w+)\]$", doc, flags=re.M)
     rows = {name: body for name, body in zip(sections[1::2], sections[2::2])}
     for section, cls in SECTIONS.items():

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 
 from models.llama import num_params
+from tests.helpers import ROOT
 from trainer.config import build_config
 from trainer.dry_run import plan_lines, print_plan
 from trainer.errors import UserError
 from trainer.model_setup import build_meta_model
 from trainer.plan import RunPlan
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _plan(*args: str, world_size: int = 1) -> tuple:

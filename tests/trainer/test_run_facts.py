@@ -55,7 +55,7 @@ def test_summary_and_dry_run_say_whether_the_single_rank_fast_path_is_on(switch,
 
     cfg, facts = _facts(["--parallelism.single_rank_fast_path", switch, "--training.device", "cpu"], 1, 1, 1)
     fast_path = choose_fast_path(cfg.parallelism.single_rank_fast_path, facts.dp).text
-    assert fast_path.startswith("single-rank fast path")  # its wording: tests/test_single_rank_fast_path.py
+    assert fast_path.startswith("single-rank fast path")  # its wording: tests/trainer/distributed/test_single_rank_fast_path.py
     lines = startup_summary(facts, cfg, 4, "sdpa", "cpu (no known peak)", "params bfloat16", "1 GiB", fast_path)
     assert lines[2] == f"device cpu (no known peak) x 1; mesh dp=1 tp=1; {fast_path}"
     print_plan(cfg)

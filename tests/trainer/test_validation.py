@@ -91,7 +91,7 @@ def test_validation_loss_is_the_same_across_layouts(tmp_path):
         "single": ([*VALIDATED, "--training.batch_size", "8"], 1),
         "fsdp": ([*VALIDATED, "--training.batch_size", "4"], 2),
         # aot_eager: the evaluation's own no-grad graphs are traced under TP as inductor would be
-        # given them; inductor's lowering of TP blocks is tests/test_parallel_compile.py's subject.
+        # given them; inductor's lowering of TP blocks is tests/trainer/distributed/test_parallel_compile.py's subject.
         "tp_compiled": ([*VALIDATED, "--training.batch_size", "8", "--parallelism.tensor_parallel_degree", "2",
                          "--compile.mode", "block", "--compile.backend", "aot_eager"], 2),
     }

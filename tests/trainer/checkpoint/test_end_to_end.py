@@ -272,7 +272,7 @@ def _damage_truncate(step: Path) -> list[str]:
     (shard,) = step.glob("*.distcp")
     with shard.open("r+b") as f:
         f.truncate(shard.stat().st_size // 2)
-    # Past the checksums (tests/test_checkpoint_integrity.py), to DCP's own error.
+    # Past the checksums (tests/trainer/checkpoint/test_integrity.py), to DCP's own error.
     return ["--checkpoint.verify_checksums", "false"]
 
 

@@ -1,5 +1,5 @@
 """Whose checkpoints these are (run id, tokenizer) and the save after an unexpected failure, in-process:
-the CheckpointManager of tests/test_checkpoint_manager.py under a gloo process group of one rank."""
+the CheckpointManager of tests/trainer/checkpoint/test_manager.py under a gloo process group of one rank."""
 
 from __future__ import annotations
 

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import ROOT
 from trainer.data.loader import build_dataloader
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 DOCS = [
     f"Document {i}: the {c} cat sat on the mat and counted to {i * 7}." * (1 + i % 4)

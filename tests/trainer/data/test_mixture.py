@@ -1,7 +1,7 @@
 """Weighted mixtures of sources ([[data.sources]]): shares per window, exact resume, per-source epochs.
 
 The loaders run in this process (ranks as threads, one test over two gloo processes); the
-training loop's use of them (startup summary, metrics keys) is covered by tests/test_wandb.py's run.
+training loop's use of them (startup summary, metrics keys) is covered by tests/trainer/metrics/test_wandb.py's run.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import free_port
+from tests.helpers import ROOT, free_port
 from tests.trainer.data.test_sharding import in_threads, take, write_docs
 from trainer.config import SourceConfig, build_config
 from trainer.data.loader import build_dataloader
@@ -25,7 +25,6 @@ from trainer.data.mixture import PERIOD, Schedule
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "data" / "tokenizer.model")
 # The two shipped corpus files (0.9 MB each) as the two sources.
 WEB, CODE = (str(ROOT / "data" / "corpus" / f"train-0000{i}.jsonl") for i in range(2))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from models.llama import LLAMA2_FLAVORS, Transformer
+from tests.helpers import ROOT
 from trainer.config import DataConfig
 from trainer.data.loader import build_dataloader
 from trainer.data.sft import (
@@ -26,7 +27,6 @@ from trainer.data.tokenizer import Tokenizer
 from trainer.data.windows import IGNORE_INDEX
 from trainer.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
 SYS = "You are terse."
 CHAT = {"messages": [
     {"role": "system", "content": SYS},

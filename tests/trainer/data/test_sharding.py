@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import trainer.data.loader
+from tests.helpers import ROOT
 from trainer.config import build_config
 from trainer.data.exchange import ThreadExchange, world_exchange
 from trainer.data.loader import build_dataloader
@@ -30,7 +31,6 @@ from trainer.data.sharding import BLOCK_ROWS, Block, Failure, merged_rows
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "data" / "tokenizer.model")
 WORDS = ["red", "blue", "green", "old", "small", "happy", "brave", "quiet", "tall"]
 

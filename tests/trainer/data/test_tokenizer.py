@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "data" / "tokenizer.model"
 
 

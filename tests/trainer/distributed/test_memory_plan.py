@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from models.llama.args import LLAMA2_FLAVORS
-from tests.helpers import run_train
+from tests.helpers import ROOT, run_train
 from trainer.config import build_config
 from trainer.distributed.memory_plan import (
     GIB,
@@ -27,8 +26,7 @@ from trainer.float8_seam.seam import float8_memory
 from trainer.model_setup import model_args_for
 from trainer.precision import resolve_param_precision
 
-CONFIGS = sorted(str(p.relative_to(Path(__file__).resolve().parents[1]))
-                 for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.toml"))
 H200_BYTES = 141e9
 
 # Peak active memory (GiB) on one H200, torch 2.11: LLaMA-2-7B dims, 4 layers, batch 8 x seq

@@ -78,7 +78,7 @@ def test_gradient_accumulation_matches_larger_batch(losses):
 
 def test_invalid_layout_exits_2(tmp_path):
     # Every rank raises; the line appears once whichever rank exits first (forced orders:
-    # tests/test_torchrun_errors.py). torchrun exits 1 when a worker fails (here with 2).
+    # tests/trainer/test_torchrun_errors.py). torchrun exits 1 when a worker fails (here with 2).
     result = run_train(["--parallelism.tensor_parallel_degree", "4", "--job.dump_folder", str(tmp_path)], nproc=2,
                        launcher="torchrun")
     assert result.returncode == 1, result.stderr[-3000:]

@@ -19,7 +19,7 @@ def test_2d_mesh_fsdp_x_tp(losses):
 def test_2d_mesh_float8_all_gather_and_block_compile(losses):
     # Float8 TP styles, float8 FSDP all-gather and the post-step scale precompute on a 2-D mesh,
     # the blocks traced by dynamo and AOTAutograd (aot_eager: inductor's C++ compiles in four
-    # processes took 4 minutes; tests/test_parallel_compile.py compiles TP blocks with inductor).
+    # processes took 4 minutes; tests/trainer/distributed/test_parallel_compile.py compiles TP blocks with inductor).
     extra = [*FLOAT8["tensorwise"], "--float8.fsdp_float8_all_gather", "true"]
     single = losses(["--training.batch_size", "8", *extra])
     mesh2d = losses(["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2",

@@ -1,6 +1,6 @@
 """`[float8] filter = "auto"` (float8/autofilter.py and the trainer's seam): converts and keeps
 what the timings say (stub timers), agrees across ranks, and on CPU and in the dry run falls back
-to the rules and says so. The real timer on a GPU: tests/test_float8_cuda.py."""
+to the rules and says so. The real timer on a GPU: tests/float8/test_cuda.py."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def _rel(a: float, b: float) -> float:
 
 
 def _assert_close(a: list, b: list, rtol: float, label: str) -> None:
-    """As tests/test_parallel.py: losses within rtol, grad norms too at step 1 and 10x rtol after."""
+    """As tests/trainer/distributed/test_parallel.py: losses within rtol, grad norms too at step 1 and 10x rtol after."""
     for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(a, b), start=1):
         assert _rel(loss_a, loss_b) <= rtol, f"{label}: step {step} loss {loss_a} vs {loss_b}"
         assert _rel(norm_a, norm_b) <= (rtol if step == 1 else 10 * rtol), f"{label}: step {step} grad_norm"

@@ -1,4 +1,4 @@
-"""trainer/float8_seam/: the trainer's one float8 seam (ours and off here; torchao: test_float8_reference.py),
+"""trainer/float8_seam/: the trainer's one float8 seam (ours and off here; torchao: test_reference.py),
 and one default per float8 setting."""
 
 from __future__ import annotations
