@@ -51,5 +51,5 @@ def _single_thread_env(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-# The module-scoped `losses` fixture of tests/test_parallel*.py (each module makes its own runs).
+# The module-scoped `losses` fixture of tests/trainer/distributed/test_parallel*.py (each module makes its own runs).
 from tests.layout_runs import losses  # noqa: E402, F401

@@ -1,6 +1,6 @@
 """torchrun --nproc_per_node=2 tests/flex_tp_forward.py: packed logits of flex_attention and of
 SDPA's dense mask under TP=2, full activation checkpointing and FSDP wrapping, from the same
-weights. Prints "flex == sdpa under TP=2" on success (tests/test_attention.py).
+weights. Prints "flex == sdpa under TP=2" on success (tests/models/test_attention.py).
 
 Forward only, since torch has no flex_attention backward on CPU; and eager blocks (flex compiled
 on its own), since a TP model compiled per block fails in forward without grad on CPU

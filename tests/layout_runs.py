@@ -1,4 +1,4 @@
-"""The runs that tests/test_parallel*.py compare: one small LLaMA trained in a given layout, its
+"""The runs that tests/trainer/distributed/test_parallel*.py compare: one small LLaMA trained in a given layout, its
 (loss, grad_norm) per step, each distinct run made once per test module."""
 
 from collections.abc import Callable
@@ -8,7 +8,7 @@ import pytest
 from tests.helpers import cpu_float8_emulated, read_metrics, run_train
 
 # Six steps: step 1 checks the gradients' scale, steps 2-6 that the optimizer updates agree.
-# No held-out evaluation: tests/test_validation.py compares it across layouts.
+# No held-out evaluation: tests/trainer/test_validation.py compares it across layouts.
 STEPS = 6
 BASE = [
     "--model.n_layers", "2", "--training.seq_len", "64", "--training.steps", str(STEPS),

@@ -186,7 +186,7 @@ def float8_rules_outside_the_seam(root: Path) -> list[str]:
     """Where trainer/ or train.py, outside the seam and the config schema, names a float8 recipe or
     implementation ('tensorwise', 'torchao') or reads a `[float8]` key (`cfg.float8.scaling`): a float8
     rule living outside trainer/float8_seam/. Passing the section on (`build_seam(cfg.float8, ...)`) is fine."""
-    # The schema's choices, not float8.RECIPES (the same names: tests/test_float8_training.py): no torch here.
+    # The schema's choices, not float8.RECIPES (the same names: tests/trainer/float8_seam/test_seam.py): no torch here.
     fields = {f.name: f for f in dataclasses.fields(Float8TrainingConfig)}
     names = {*fields["scaling"].metadata["choices"], *fields["impl"].metadata["choices"]}
     files = [root / "train.py", *(root / "trainer").rglob("*.py")]
@@ -261,7 +261,7 @@ def test_commands_checker_finds_a_planted_import(tmp_path):
 
 def test_scripts_holds_commands():
     """At most MAX_COMMANDS modules directly in scripts/, each a command: a `main` run by trainer.cli's
-    run_command (tests/test_commands.py runs each with --help)."""
+    run_command (tests/scripts/test_commands.py runs each with --help)."""
     commands = sorted(p for p in (ROOT / "scripts").glob("*.py") if p.name != "__init__.py")
     assert len(commands) <= MAX_COMMANDS, [p.name for p in commands]
     not_commands = [p.name for p in commands if "sys.exit(run_command(main))" not in p.read_text()]

@@ -1,7 +1,7 @@
 """The config schema: one dataclass per TOML section, choice fields typed with `Literal`.
 
 A choice field's `Literal` type is its only list of choices: validation, `--help`, the
-choices column of docs/configuration.md (tests/test_config.py checks) and the modules that
+choices column of docs/configuration.md (tests/trainer/test_config.py checks) and the modules that
 need the list (`typing.get_args` of the alias) all read it from there.
 """
 
@@ -20,7 +20,7 @@ AttentionKernel = Literal["auto", "sdpa", "flex"]
 Float8Scaling = Literal["tensorwise", "rowwise", "rowwise_gw_hp", "blockwise"]
 Float8Filter = Literal["rules", "auto"]
 Float8Impl = Literal["ours", "torchao"]
-# float8.operands.EAGER_CASTS (tests/test_float8_training.py holds the two equal).
+# float8.operands.EAGER_CASTS (tests/trainer/float8_seam/test_seam.py holds the two equal).
 Float8EagerCasts = Literal["auto", "triton", "compiled", "plain"]
 CompileMode = Literal["none", "block", "model"]
 ActivationCheckpointMode = Literal["none", "full", "selective"]
@@ -99,7 +99,7 @@ class ModelConfig:
 class Float8TrainingConfig:
     """Float8 training of the linear layers (see docs/float8/trainer.md)."""
 
-    # Same names and defaults as float8.Float8Config (tests/test_float8_training.py checks),
+    # Same names and defaults as float8.Float8Config (tests/trainer/float8_seam/test_seam.py checks),
     # without importing torch here: a bad config is refused before torch loads.
 
     enabled: bool = _opt(False, "Convert eligible nn.Linear layers to float8 training linears.")

@@ -6,8 +6,8 @@ parameter at a time (~20 ms of a 16-layer LLaMA-2-7B bf16 step on one H200); its
 reduction packs the gradients with `_chunk_cat`, whose CUDA version builds per-block
 metadata on the host (~2.8 ms of CPU per 7B block in backward), then copies the packed
 buffer into a second one. Two patches remove that work and change no value (bitwise FSDP's
-results: tests/test_single_rank_gather.py, tests/test_single_rank_reduce.py,
-tests/test_single_rank_fast_path.py):
+results: test_single_rank_gather.py, test_single_rank_reduce.py and test_single_rank_fast_path.py
+in tests/trainer/distributed/):
 
 - single_rank_gather.py mirrors `FSDPParamGroup.wait_for_unshard` (torch/distributed/fsdp/
   _fully_shard/_fsdp_param_group.py) and the world-size-1 branch of `FSDPParam`'s

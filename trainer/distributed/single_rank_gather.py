@@ -17,7 +17,7 @@ in the same launch. The rest is FSDP's world-size-1 branch, unchanged: the unsha
 parameters are FSDP's own, initialised and swapped in by its own methods.
 
 Only the `wait_for_unshard` of groups of one rank is replaced (an instance attribute: other
-FSDP groups in the process keep the class's); tests/test_single_rank_gather.py checks the
+FSDP groups in the process keep the class's); tests/trainer/distributed/test_single_rank_gather.py checks the
 weights, gradients and float8 bytes bitwise against FSDP's own path on every supported torch.
 """
 

@@ -14,7 +14,7 @@ does nothing, and the gradients are views of the input.
 (1) replaces FSDP2's module-level `foreach_reduce_scatter_copy_in` (the function has no
 per-module hook); the replacement copies in only into a buffer a `SingleRankReduceScatter`
 allocated, so every other FSDP module in the process (of more ranks, or plain FSDP2 with the
-fast path off) keeps FSDP's. tests/test_single_rank_reduce.py checks the gradients bitwise
+fast path off) keeps FSDP's. tests/trainer/distributed/test_single_rank_reduce.py checks the gradients bitwise
 against FSDP's own reduction on every supported torch.
 """
 

@@ -1,0 +1,116 @@
+"""float8/kernels compiled for a GPU: every byte, scale and inverse scale bitwise those of
+float8/scaling.py's reference casts (NaN and inf inputs included), and Float8Linear with
+eager_casts="triton" bitwise the plain and the compiled eager casts. Skipped without CUDA;
+tests/float8/test_kernels.py runs the same kernels in Triton's interpreter on a CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from float8 import Float8Config, Float8Linear
+from float8.operands import cast_weight_with_scale, eager_backend
+from float8.scaling import (
+    E4M3,
+    E5M2,
+    cast_colwise_t,
+    cast_rowwise,
+    cast_tensorwise,
+    cast_with_scale,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+SHAPES = [(1, 17), (1000, 1030), (8192, 4096), (4096, 11008)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _same_scales(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bitwise, NaN payloads included."""
+    return got.shape == want.shape and torch.equal(got.reshape(-1).view(torch.int32), want.reshape(-1).view(torch.int32))
+
+
+def _inputs(shape, case: str, dtype=torch.bfloat16) -> torch.Tensor:
+    torch.manual_seed(sum(shape))
+    x = torch.randn(shape, device="cuda") * 3
+    if case == "zeros":
+        x.zero_()
+    elif case == "nonfinite":
+        x[0, 0] = float("nan")
+        x[-1, -1] = float("inf")
+        x.view(-1)[x.numel() // 2] = -float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("case", ["random", "zeros", "nonfinite"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tensorwise_kernels_bitwise(shape, dtype, pow2, case):
+    from float8.kernels import cast as kernels
+
+    x = _inputs(shape, case)
+    data, data_t, scale, inv = kernels.cast_tensorwise_layouts(x, dtype, pow2, transposed=True)
+    ref, ref_scale = cast_tensorwise(x, dtype, pow2, fused=False)
+    assert _same_scales(scale, ref_scale) and _same_scales(inv, ref_scale.reciprocal())
+    assert torch.equal(_bytes(data), _bytes(ref))
+    assert torch.equal(_bytes(data_t), _bytes(ref.t()))
+
+
+@pytest.mark.parametrize("case", ["random", "zeros", "nonfinite"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rowwise_kernels_bitwise(shape, dtype, case):
+    from float8.kernels import cast as kernels
+
+    x = _inputs(shape, case)
+    data, data_t, row_scale, row_inv, col_scale, col_inv = kernels.cast_rowwise_layouts(x, dtype, True, transposed=True)
+    ref_rows, ref_row_scale = cast_rowwise(x, -1, dtype, True, fused=False)
+    ref_cols, ref_col_scale = cast_colwise_t(x, dtype, True, fused=False)
+    assert _same_scales(row_scale, ref_row_scale) and _same_scales(col_scale, ref_col_scale)
+    assert _same_scales(row_inv, ref_row_scale.reciprocal()) and _same_scales(col_inv, ref_col_scale.reciprocal())
+    assert torch.equal(_bytes(data), _bytes(ref_rows))
+    assert torch.equal(_bytes(data_t), _bytes(ref_cols))
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (3, 100)])
+def test_weight_cast_and_transpose_bitwise(shape):
+    from float8.kernels import cast as kernels
+
+    w = _inputs(shape, "random", torch.float32)
+    scale = torch.tensor(448.0, device="cuda") / w.abs().max()
+    assert eager_backend("cuda", "auto") == "triton"
+    data = cast_weight_with_scale(w, scale, E4M3)
+    ref = cast_with_scale(w, scale, E4M3)
+    assert torch.equal(_bytes(data), _bytes(ref))
+    assert torch.equal(_bytes(kernels.transpose(data)), _bytes(ref.t()))
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise_gw_hp"])
+def test_linear_with_kernels_is_bitwise_the_plain_and_compiled_casts(scaling):
+    torch.manual_seed(0)
+    ref = nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 2048, 4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(2, 2048, 1024, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for eager_casts in ("plain", "compiled", "triton"):
+        f8 = Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling=scaling, eager_casts=eager_casts))
+        xi = x.clone().requires_grad_()
+        out = f8(xi)
+        out.backward(g)
+        results[eager_casts] = (out, xi.grad, f8.weight.grad)
+    for got, want in zip(results["triton"], results["plain"]):
+        assert torch.equal(got, want)
+    # Inductor's division rounds a scale 1 ulp off torch's now and then (measured on an H200,
+    # torch 2.11: e5m2 scale 3423.5225 against 3423.5222), so the compiled casts are close, not equal.
+    for got, want in zip(results["compiled"], results["plain"]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-1)
