@@ -243,7 +243,7 @@ class StepRunner:
         self.timer = StepTimer(parts.device)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One micro-batch's summed loss; a method so that tests/train_nonfinite.py and train_crash.py can poison it."""
+        """One micro-batch's summed loss; a method so that tests/wrappers/train_nonfinite.py and train_crash.py can poison it."""
         return model_loss(self.parts.model, batch)[1]
 
     def run(self, step: int, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:

@@ -164,7 +164,7 @@ def test_memory_plan_counts_no_dense_mask_with_flex() -> None:
 @pytest.mark.slow
 def test_flex_under_tensor_parallel_and_activation_checkpointing() -> None:
     """TP=2 (heads sharded: flex sees each rank's local heads), full AC, FSDP wrapping: logits of
-    flex and of the dense mask agree (forward, eager blocks: see tests/flex_tp_forward.py)."""
+    flex and of the dense mask agree (forward, eager blocks: see tests/wrappers/flex_tp_forward.py)."""
     import subprocess
     import sys
 
@@ -172,7 +172,7 @@ def test_flex_under_tensor_parallel_and_activation_checkpointing() -> None:
 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-         "tests/flex_tp_forward.py"],
+         "tests/wrappers/flex_tp_forward.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

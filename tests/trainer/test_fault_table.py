@@ -2,7 +2,7 @@
 
 A row runs the case the cheapest way that still shows it: `train.main` in this process for what
 is refused before the model is built, the library call that refuses it for input checks, and
-train.py in a subprocess (tests/train_crash.py to force a failure) for what happens in the loop.
+train.py in a subprocess (tests/wrappers/train_crash.py to force a failure) for what happens in the loop.
 The subprocess cases also check what must survive them: the checkpoint of the last completed
 step, metrics.jsonl of whole lines only, no traceback on the console, an exit within seconds.
 """
@@ -79,12 +79,12 @@ def call(check: Callable[[Path], None]) -> Callable[..., tuple[int, str]]:
 
 def subprocess_run(args_of: Callable[[Path, pytest.FixtureRequest], list[str]], crash: str = "",
                    then: Callable[[Path, subprocess.CompletedProcess], None] | None = None):
-    """train.py (tests/train_crash.py with CRASH) in a subprocess; `then` checks what it left behind."""
+    """train.py (tests/wrappers/train_crash.py with CRASH) in a subprocess; `then` checks what it left behind."""
 
     def run(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, str]:
         args = args_of(tmp_path, request)
         env = {"CRASH": crash} if crash else None
-        proc = run_train(args, timeout=HANG_S, env=env, script="tests/train_crash.py" if crash else "train.py")
+        proc = run_train(args, timeout=HANG_S, env=env, script="tests/wrappers/train_crash.py" if crash else "train.py")
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) <= 1, proc.stderr
         if then is not None:
@@ -288,7 +288,7 @@ def deleted_dump(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     args = ["--job.dump_folder", str(root / "run"), *SMALL, "--metrics.enable_tensorboard", "true",
             "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.folder", str(root / "ckpt"),
             "--training.steps", "4"]
-    return root, run_train(args, timeout=HANG_S, env={"CRASH": "delete_dump:2"}, script="tests/train_crash.py")
+    return root, run_train(args, timeout=HANG_S, env={"CRASH": "delete_dump:2"}, script="tests/wrappers/train_crash.py")
 
 
 def dump_deleted(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[int, str]:

@@ -49,7 +49,7 @@ def checkpoints(dump: Path) -> list[str]:
 
 
 def poisoned_run(args: list[str], attempts: str) -> subprocess.CompletedProcess:
-    return run_train(args, script="tests/train_nonfinite.py", env={"NONFINITE_ATTEMPTS": attempts})
+    return run_train(args, script="tests/wrappers/train_nonfinite.py", env={"NONFINITE_ATTEMPTS": attempts})
 
 
 # -- 1. non-finite loss or gradient --------------------------------------------------------

@@ -1,7 +1,7 @@
 """A UserError under torchrun: the one `error:` line appears exactly once, whichever rank
 raises it and whichever rank finishes first (torchrun stops the others as soon as one exits).
 
-The order is forced with tests/train_hooked.py (test-only hooks around train.py), so each
+The order is forced with tests/wrappers/train_hooked.py (test-only hooks around train.py), so each
 case is deterministic rather than a race that only load uncovers.
 """
 
@@ -30,7 +30,7 @@ def run_hooked(tmp_path, args: list[str], hooks: dict) -> subprocess.CompletedPr
     # TMPDIR: the ranks' shared marker (and torchrun's logs) stay in this test's folder.
     env = {"TRAIN_HOOKS": json.dumps(hooks), "TRAIN_HOOKS_DIR": str(hooks_dir), "TMPDIR": str(tmp_path)}
     return run_train([*args, "--job.dump_folder", str(tmp_path / "out")], nproc=2, env=env,
-                     script="tests/train_hooked.py")
+                     script="tests/wrappers/train_hooked.py")
 
 
 def assert_one_line(proc: subprocess.CompletedProcess, expected: str) -> None:

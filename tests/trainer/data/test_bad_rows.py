@@ -194,7 +194,7 @@ def test_a_bad_row_met_mid_run_saves_the_last_step_and_names_it(tmp_path):
     dump = tmp_path / "run"
     args = ["--job.dump_folder", str(dump), *SMALL, "--data.path", str(data),
             "--checkpoint.enable", "true", "--checkpoint.interval", "1000"]
-    proc = run_train([*args, "--training.steps", "50"], script="tests/train_unvalidated.py")
+    proc = run_train([*args, "--training.steps", "50"], script="tests/wrappers/train_unvalidated.py")
     line = error_line(proc)
     m = re.fullmatch(rf"error: step (\d+): {re.escape(str(data))}:40: not valid JSON \(.*\); "
                      r"checkpoint of step (\d+) saved \(data.bad_rows = \"skip\" skips such rows\)", line)
@@ -206,7 +206,7 @@ def test_a_bad_row_met_mid_run_saves_the_last_step_and_names_it(tmp_path):
     assert [r["step"] for r in read_metrics(dump)][-1] == saved
 
     proc = run_train([*args, "--training.steps", str(failed + 1), "--data.bad_rows", "skip"],
-                     script="tests/train_unvalidated.py")
+                     script="tests/wrappers/train_unvalidated.py")
     ok(proc)
     assert f"resumed from checkpoint at step {saved}" in proc.stdout
     assert f"the first: {data}:40: not valid JSON (" in proc.stderr
@@ -218,7 +218,7 @@ def test_a_bad_row_met_mid_run_saves_the_last_step_and_names_it(tmp_path):
 def test_without_checkpoints_the_message_says_so(tmp_path):
     data = write_rows(tmp_path / "data.jsonl", 60, {40: BAD_JSON})
     proc = run_train(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--data.path", str(data),
-                      "--training.steps", "50"], script="tests/train_unvalidated.py")
+                      "--training.steps", "50"], script="tests/wrappers/train_unvalidated.py")
     assert error_line(proc).endswith("no checkpoint (checkpointing disabled) (data.bad_rows = \"skip\" skips such rows)")
 
 
@@ -226,7 +226,7 @@ def test_without_checkpoints_the_message_says_so(tmp_path):
 def test_a_bad_row_in_the_first_batches_names_step_1(tmp_path):
     data = write_rows(tmp_path / "data.jsonl", 60, {2: b'{"text": 3}'})
     proc = run_train(["--job.dump_folder", str(tmp_path / "run"), *SMALL, "--data.path", str(data)],
-                     script="tests/train_unvalidated.py")
+                     script="tests/wrappers/train_unvalidated.py")
     assert error_line(proc) == f"error: step 1: {data}:2: field 'text' must be a string, got int"
 
 

@@ -1,7 +1,7 @@
 """`[float8] impl = "torchao"` (trainer/float8_seam/reference.py): the trainer on the reference library.
 
 The runs use float32 parameters (the same on every CPU) and route torchao's `torch._scaled_mm`
-to ATen's CPU formula (tests/train_aten_scaled_mm.py), which our package uses on CPU anyway:
+to ATen's CPU formula (tests/wrappers/train_aten_scaled_mm.py), which our package uses on CPU anyway:
 on CPUs with AMX torch would run oneDNN's reference float8 kernel, seconds per GEMM.
 """
 
@@ -39,7 +39,7 @@ BASE = [
     "--float8.enabled", "true",
 ]
 TORCHAO = ["--float8.impl", "torchao"]
-WRAPPER = "tests/train_aten_scaled_mm.py"
+WRAPPER = "tests/wrappers/train_aten_scaled_mm.py"
 
 
 def _run(tmp_path, name: str, args: list[str], nproc: int = 1, script: str = WRAPPER) -> tuple[list, str, str]:

@@ -1,6 +1,6 @@
 """train.py with CPU `torch._scaled_mm` computed as ATen's own CPU kernel computes it.
 
-Launched in place of train.py by ``run_train(..., script="tests/train_aten_scaled_mm.py")``.
+Launched in place of train.py by ``run_train(..., script="tests/wrappers/train_aten_scaled_mm.py")``.
 torchao's float8 linears call `torch._scaled_mm`, which on CPUs with AMX goes to oneDNN's
 reference float8 kernel (about 1,000x slower, docs/float8/library.md "On CPU"): a 2-layer test
 step takes seconds per GEMM there. This routes it to `float8.gemm.scaled_mm_cpu`, the
@@ -18,7 +18,7 @@ import torch
 
 from float8.gemm import scaled_mm_cpu
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 _original = torch._scaled_mm
 

@@ -1,6 +1,6 @@
 """train.py with a NaN loss forced on chosen forward passes, to exercise skipped steps.
 
-Launched in place of train.py by ``run_train(..., script="tests/train_nonfinite.py")``;
+Launched in place of train.py by ``run_train(..., script="tests/wrappers/train_nonfinite.py")``;
 ``NONFINITE_ATTEMPTS`` lists the 1-based forward passes (one per step without gradient
 accumulation, counting retried steps) whose loss becomes NaN, and with it every gradient.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainer.step import StepRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 POISONED = {int(n) for n in os.environ["NONFINITE_ATTEMPTS"].split(",")}
 _original = StepRunner.loss_sum

@@ -1,6 +1,6 @@
 """train.py under test-only hooks that force the order in which torchrun's workers fail.
 
-Launched in place of train.py by ``run_train(..., script="tests/train_hooked.py")``; the
+Launched in place of train.py by ``run_train(..., script="tests/wrappers/train_hooked.py")``; the
 hooks come from the JSON in ``TRAIN_HOOKS`` and live only here, so train.py itself has
 no such knob. ``TRAIN_HOOKS`` maps a rank (a string) to that rank's hooks:
 
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WAIT_LIMIT_S = 300
 
 

@@ -1,4 +1,4 @@
-"""torchrun --nproc_per_node=2 tests/flex_tp_forward.py: packed logits of flex_attention and of
+"""torchrun --nproc_per_node=2 tests/wrappers/flex_tp_forward.py: packed logits of flex_attention and of
 SDPA's dense mask under TP=2, full activation checkpointing and FSDP wrapping, from the same
 weights. Prints "flex == sdpa under TP=2" on success (tests/models/test_attention.py).
 

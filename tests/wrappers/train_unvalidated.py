@@ -1,6 +1,6 @@
 """train.py without the up-front data check, to exercise bad rows met mid-run.
 
-Launched in place of train.py by ``run_train(..., script="tests/train_unvalidated.py")``:
+Launched in place of train.py by ``run_train(..., script="tests/wrappers/train_unvalidated.py")``:
 with ``trainer.data.loader.VALIDATE_MAX_BYTES = 0`` local data is treated as data over the limit,
 so a bad row is found only when the stream reaches it.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import trainer.data.loader
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 trainer.data.loader.VALIDATE_MAX_BYTES = 0
 sys.argv = [str(ROOT / "train.py"), *sys.argv[1:]]

@@ -1,6 +1,6 @@
 """train.py with an unexpected failure forced inside the loop, to exercise the crash path.
 
-Launched in place of train.py by ``run_train(..., script="tests/train_crash.py")``; ``CRASH`` says
+Launched in place of train.py by ``run_train(..., script="tests/wrappers/train_crash.py")``; ``CRASH`` says
 where and when, as ``<where>:<n>``:
 
 - ``record:n`` — a RuntimeError while the loop records step n (the step has completed);
@@ -24,7 +24,7 @@ from trainer.metrics import logger as metrics_logger
 from trainer.step import StepRunner
 from trainer.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 WHERE, _, N = os.environ["CRASH"].partition(":")
 N = int(N)
