@@ -32,13 +32,6 @@ from scripts.harness.float8_bench import model_sqnr
 THRESHOLDS = (25.0, 20.0, 20.0)
 
 
-def sqnr(ref: torch.Tensor, actual: torch.Tensor | None) -> float:
-    if actual is None:
-        return float("-inf")
-    ref, actual = ref.double(), actual.double()
-    return (20 * torch.log10(ref.norm() / (ref - actual).norm().clamp(min=1e-30))).item()
-
-
 def run(module: nn.Module, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype):
     xi = x.to(dtype).detach().requires_grad_()
     out = module(xi)
@@ -85,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             if backend:
                 f8.compile(backend=backend, fullgraph=True)
             got = run(f8, x, g, torch.bfloat16)
-            dbs = [sqnr(e, a) for e, a in zip(expected, got)]
+            dbs = [model_sqnr.sqnr(e, a) for e, a in zip(expected, got)]
             bad = any(db < t for db, t in zip(dbs, THRESHOLDS))
             failures += bad
             print(f"{scaling:14} {name:20} {dbs[0]:8.1f} {dbs[1]:10.1f} {dbs[2]:10.1f}{'  FAIL' if bad else ''}",

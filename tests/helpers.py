@@ -210,3 +210,9 @@ def cpu_float8_emulated(scaling: str) -> bool:
     from float8.gemm import scaled_mm_supported
 
     return not scaled_mm_supported(scaling != "tensorwise", "cpu")
+
+
+def sqnr(ref, actual) -> float:
+    """Signal to quantization-noise ratio of `actual` against `ref`, in dB (float64)."""
+    ref, actual = ref.double(), actual.double()
+    return (20 * (ref.norm() / (ref - actual).norm()).log10()).item()

@@ -18,13 +18,9 @@ from float8.convert import TensorParallelAlignment
 from float8.fsdp_blocks import block_shard_dim
 from float8.recipe import RECIPES, Cast, Float8Recipe, Gemm
 from float8.scaling import E4M3
+from tests.helpers import sqnr
 
 B = 128
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.double(), actual.double()
-    return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
 
 
 def _linear(in_f: int, out_f: int, dtype: torch.dtype = torch.float32, **cfg) -> tuple[nn.Linear, Float8Linear]:

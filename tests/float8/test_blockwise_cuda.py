@@ -17,6 +17,7 @@ from float8 import Float8Config, Float8Linear
 from float8.blocks import cast_blockwise, cast_blockwise_t
 from float8.gemm import blockwise_gemm_supported, blockwise_mm
 from float8.operands import eager_backend
+from tests.helpers import sqnr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,11 +28,6 @@ pytestmark = [
 E4M3 = torch.float8_e4m3fn
 B = 128
 CUDA = torch.device("cuda")
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.double(), actual.double()
-    return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
 
 
 def _operands(m: int, k: int, n: int, b_block: tuple[int, int]):

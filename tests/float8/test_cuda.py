@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from float8 import Float8Config, Float8Linear
-from tests.helpers import read_metrics, run_train
+from tests.helpers import read_metrics, run_train, sqnr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,11 +18,6 @@ pytestmark = [
 ]
 
 SCALINGS = ["tensorwise", "rowwise", "rowwise_gw_hp"]
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.double(), actual.double()
-    return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.helpers import free_port
+from tests.helpers import free_port, sqnr
 
 pytestmark = [pytest.mark.slow, pytest.mark.version_specific]
 
@@ -42,11 +42,6 @@ def _entry(rank: int, worker, port: int, out_dir: str, args) -> None:
     # Only after success: gloo's threads outlive destroy_process_group (torch 2.13) and can
     # abort the interpreter's own teardown (SIGABRT) of a worker that has finished.
     os._exit(0)
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.double(), actual.double()
-    return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
 
 
 # ---------------------------------------------------------------- FSDP2

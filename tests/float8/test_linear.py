@@ -11,16 +11,11 @@ from torch import nn
 from float8 import Float8Config, Float8Linear, convert_to_float8_training
 from float8.fsdp import Float8GatheredWeight
 from float8.scaling import E4M3, E5M2, cast_rowwise, cast_tensorwise, from_float8
-from tests.helpers import cpu_float8_emulated
+from tests.helpers import cpu_float8_emulated, sqnr
 
 SCALINGS = ["tensorwise", "rowwise", "rowwise_gw_hp"]
 # blockwise needs 128-aligned features (its compiled and recipe tests: tests/float8/test_blockwise.py).
 WITH_BLOCKWISE = [*SCALINGS, "blockwise"]
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.double(), actual.double()
-    return (20 * torch.log10(ref.norm() / (ref - actual).norm())).item()
 
 
 def run(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):

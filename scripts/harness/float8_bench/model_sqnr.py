@@ -27,7 +27,10 @@ GEMMS = ("output", "grad_input", "grad_weight")
 MARGIN_DB = 4.0
 
 
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
+def sqnr(ref: torch.Tensor, actual: torch.Tensor | None) -> float:
+    """SQNR of `actual` against `ref` in dB; -inf where there is no result (a missing gradient)."""
+    if actual is None:
+        return float("-inf")
     ref, actual = ref.double(), actual.double()
     return (20 * torch.log10(ref.norm() / (ref - actual).norm().clamp(min=1e-30))).item()
 
