@@ -103,6 +103,8 @@ def read_dcp_metadata(path: str | Path, what: str) -> Metadata:
         return SafeFileSystemReader(str(path)).read_metadata()
     except UnsafeCheckpointError as e:
         raise UserError(f"{what} {path} refused: {e}") from None
+    except UserError:  # Interrupted (a SIGTERM during start-up): not an unreadable file
+        raise
     except Exception as e:
         raise UserError(f"{what} {path}: unreadable .metadata ({describe_error(e)})") from None
 

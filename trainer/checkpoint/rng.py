@@ -45,6 +45,8 @@ def read_rng(
             rng = load_file(str(rng_file))
         except FileNotFoundError:
             problem = f"checkpoint {checkpoint} is incomplete: {RNG_FOLDER}/{rng_file.name} is missing"
+        except UserError:  # Interrupted (a SIGTERM during start-up): not an unreadable file
+            raise
         except Exception as e:
             problem = f"checkpoint {rng_file} is unreadable: {describe_error(e)}"
         else:

@@ -182,6 +182,8 @@ class DataSource:
                 ds = ds.skip(start)
             for i, row in enumerate(ds, start):
                 yield (self.name, "row", i), row if wanted is None or wanted(i) else None
+        except UserError:  # Interrupted (a SIGTERM while reading) among them: not a bad file
+            raise
         except Exception as e:
             raise UserError(f"could not read {self.what}: {_first_line(e)}") from None
 

@@ -28,9 +28,10 @@ class Tokenizer:
         self.path = path
         self.sp_model = SentencePieceProcessor()
         try:
-            # sentencepiece raises RuntimeError/OSError with a multi-line C++ message
+            # sentencepiece raises RuntimeError/OSError with a multi-line C++ message; not
+            # `Exception`, which would report a SIGTERM during start-up (Interrupted) as a bad file.
             self.sp_model.Load(path)
-        except Exception as e:
+        except (RuntimeError, OSError) as e:
             raise UserError(
                 f"tokenizer file {path} is not a valid sentencepiece model "
                 f"({type(e).__name__})"

@@ -3,8 +3,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from sentencepiece import SentencePieceProcessor
 
 from tests.helpers import ROOT
+from trainer.cli import Interrupted
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
 
@@ -70,6 +72,17 @@ def test_corrupt_file(tmp_path: Path) -> None:
         Tokenizer(str(path))
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
+
+
+def test_a_sigterm_while_loading_is_not_a_bad_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    # During start-up a SIGTERM raises Interrupted wherever the main thread is; in the tokenizer's
+    # load it was reported as "not a valid sentencepiece model" with exit 2 instead of 130.
+    def interrupted(self, path):
+        raise Interrupted("interrupted (SIGTERM)")
+
+    monkeypatch.setattr(SentencePieceProcessor, "Load", interrupted)
+    with pytest.raises(Interrupted):
+        Tokenizer(str(MODEL))
 
 @pytest.mark.slow
 def test_shipped_model_is_reproducible(tmp_path: Path) -> None:
