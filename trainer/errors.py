@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +48,7 @@ def report(error: UserError) -> None:
     Run directly (one process), or where no launch identity or lock is available, the
     line is simply printed: never lost, at worst repeated.
     """
+    _leave_on_stop_signals()
     line = f"error: {error}"
     path = _marker_path()
     if path is None:
@@ -64,6 +67,15 @@ def report(error: UserError) -> None:
     finally:
         os.close(fd)  # releases the lock
     _remove_stale_markers(path)
+
+
+def _leave_on_stop_signals() -> None:
+    """A process reporting its error is leaving: torchrun's SIGTERM (another rank failed first)
+    ends it at once, where a handler that raises Interrupted would have broken off the report
+    with a traceback."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def reported_in_this_launch() -> bool:

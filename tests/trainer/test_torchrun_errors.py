@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -105,3 +106,23 @@ def test_report_prints_once_per_launch(tmp_path, monkeypatch):
     # Later workers of a launch whose printer has exited stay silent too.
     assert launch("run-a", 2) == []
     assert launch(None, 2) == ["error: same problem"] * 2
+
+
+STOPPED_WHILE_REPORTING = textwrap.dedent("""
+    import os, signal
+    from trainer import errors
+    def interrupt(signum, frame):  # as trainer.cli.interruptible's handler (which imports torch)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+    # torchrun's SIGTERM arrives while the rank is still reporting its own error.
+    errors._remove_stale_markers = lambda path: os.kill(os.getpid(), signal.SIGTERM)
+    errors.report(errors.UserError("checkpoint damaged"))
+    print("not reached")
+""")
+
+
+def test_a_sigterm_while_reporting_ends_the_rank_without_a_traceback(tmp_path):
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "0", "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", STOPPED_WHILE_REPORTING], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr, proc.stdout) == (-signal.SIGTERM, "error: checkpoint damaged\n", "")
