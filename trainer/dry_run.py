@@ -19,8 +19,9 @@ def _planned_world_size(cfg: Config) -> int:
         return cfg.job.dry_run_world_size
     if launched_by_torchrun():
         return launch_world_size()
-    dp, tp = cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree
-    return dp * tp if dp > 0 else tp
+    p = cfg.parallelism
+    replicas_tp = p.data_parallel_replicate_degree * p.tensor_parallel_degree
+    return p.data_parallel_shard_degree * replicas_tp if p.data_parallel_shard_degree > 0 else replicas_tp
 
 
 def print_plan(cfg: Config) -> None:
@@ -42,7 +43,9 @@ def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str]) -> list[str]:
     """The dry run's text: `plan` (its float8 seam's report once it has converted a model) and `warnings`."""
     facts, args, t = plan.facts, plan.model_args, cfg.training
     fpt = facts.flops_per_token
-    layout = f"world {facts.world_size} = dp {facts.dp} (FSDP2) x tp {facts.tp}"
+    replicate, shard, tp = facts.layout
+    data_parallel = f"dp {facts.dp} (HSDP: replicate {replicate} x shard {shard})" if replicate > 1 else f"dp {facts.dp} (FSDP2)"
+    layout = f"world {facts.world_size} = {data_parallel} x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not cfg.job.dry_run_world_size:
         layout += " (dp = -1 takes the rest of the world at launch)"
     if plan.fast_path.text:

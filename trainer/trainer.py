@@ -97,7 +97,7 @@ class Trainer:
         # refused with the numbers (trainer/distributed/memory_plan.py).
         check_fits(plan.memory, self.device)
         seed_everything(cfg.training.seed, cfg.training.deterministic)
-        self.mesh = process_group.build_mesh(plan.device_type, plan.facts.dp, plan.facts.tp)
+        self.mesh = process_group.build_mesh(plan.device_type, plan.facts.layout)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         return plan
 

@@ -142,9 +142,9 @@ def test_toml_type_errors_name_key(tmp_path):
 
 def test_layout_checks():
     cfg = Config()
-    assert check_layout(cfg, 4, 8, 4) == (4, 1)
+    assert check_layout(cfg, 4, 8, 4) == (1, 4, 1)
     cfg.parallelism.tensor_parallel_degree = 2
-    assert check_layout(cfg, 4, 8, 4) == (2, 2)
+    assert check_layout(cfg, 4, 8, 4) == (1, 2, 2)
     cfg.parallelism.data_parallel_shard_degree = 3
     with pytest.raises(UserError, match="does not match the world size 4"):
         check_layout(cfg, 4, 8, 4)

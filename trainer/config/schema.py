@@ -149,9 +149,10 @@ class CompileConfig:
 
 @_section
 class ParallelismConfig:
-    """Device mesh: data-parallel sharding (FSDP2) x tensor parallel."""
+    """Device mesh: data-parallel replicas x data-parallel sharding (FSDP2) x tensor parallel."""
 
-    data_parallel_shard_degree: int = _opt(-1, "FSDP degree; -1 = world size / tensor_parallel_degree.")
+    data_parallel_replicate_degree: int = _opt(1, "HSDP: replicas of the FSDP-sharded model (gradients all-reduced across them); 1 = plain FSDP.")
+    data_parallel_shard_degree: int = _opt(-1, "FSDP degree (within a replica); -1 = world size / (data_parallel_replicate_degree x tensor_parallel_degree).")
     tensor_parallel_degree: int = _opt(1, "Tensor (and sequence) parallel degree.")
     reshard_after_forward: bool = _opt(True, "FSDP: free gathered weights after forward (saves memory, regathers in backward).")
     float8_tensor_parallel: bool = _opt(True, "With tensorwise float8, use float8-aware TP styles (all-gathers move float8).")
