@@ -43,7 +43,9 @@ def test_hsdp_matches_one_process(losses):
     for label, layout in (("HSDP 2x2", ["--training.batch_size", "2"]),
                           ("replicate 2 x TP 2", ["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2"])):
         run = losses([*layout, *hsdp, *float8], nproc=4)
-        assert_within(single[:1], run[:1], 2e-2, 5e-3, f"float8 {label} vs 1 process, step 1")
+        # Step 2 is the first whose all-gathers use the scales computed after the optimizer step: agreed
+        # over the wrong group (the replicas), HSDP 2x2's grad norm is 1e-2 off there, right 2e-5.
+        assert_within(single[:2], run[:2], 2e-2, 5e-3, f"float8 {label} vs 1 process, steps 1-2")
         assert_within(single, run, 2e-2, 5e-2, f"float8 {label} vs 1 process")
 
 
