@@ -90,7 +90,7 @@ def _check_signs(cfg: Config) -> None:
         ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
         ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("validation", "steps"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
         ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
-        ("job", "dry_run_world_size"),
+        ("job", "dry_run_world_size"), ("job", "dry_run_nproc_per_node"),
     ]
     for section, key in non_negative:
         value = getattr(getattr(cfg, section), key)

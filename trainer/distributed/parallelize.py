@@ -36,12 +36,14 @@ class TPStyles:
 
     local_inputs: the module-input style hands local tensors to the colwise linears (the
     float8 gathers do, float8/tp.py), so the module inputs use `use_local_output=True`.
+    float8_gathers: the activation all-gathers move float8 (the communication plan counts 1 byte).
     """
 
     colwise: type[ColwiseParallel]
     rowwise: type[RowwiseParallel]
     prepare_input: type[PrepareModuleInput]
     local_inputs: bool = False
+    float8_gathers: bool = False
 
 
 PLAIN_TP_STYLES = TPStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput)
