@@ -63,12 +63,18 @@ def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 
 
-def build_mesh(device_type: str, layout: Layout) -> DeviceMesh:
-    """The 3-D mesh of `layout`, its two data-parallel dims also flattened into "dp": the ranks that read
-    different batches (the data loader's rank and degree, the loss's token count, held-out totals)."""
-    mesh = init_device_mesh(device_type, (layout.replicate, layout.shard, layout.tp), mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh
+@dataclass(frozen=True)
+class RunMesh:
+    world: DeviceMesh  # MESH_DIMS
+    # The two data-parallel dims flattened: the ranks that read different batches (the data loader's rank
+    # and degree, the loss's token count, held-out totals). Kept here: torch deprecates slicing it from `world`.
+    data_parallel: DeviceMesh
+
+
+def build_mesh(device_type: str, layout: Layout) -> RunMesh:
+    """The 3-D mesh of `layout` and its flattened data-parallel ranks."""
+    world = init_device_mesh(device_type, (layout.replicate, layout.shard, layout.tp), mesh_dim_names=MESH_DIMS)
+    return RunMesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"))
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
