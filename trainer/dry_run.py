@@ -3,6 +3,8 @@ with the float8 conversion of the model on the meta device; no weight is allocat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -46,7 +48,7 @@ def print_plan(cfg: Config) -> None:
     info("\n".join(plan_lines(cfg, plan, warnings, comm_lines(cfg, plan, model))))
 
 
-def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str], comm: list[str] = ()) -> list[str]:
+def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str], comm: Sequence[str] = ()) -> list[str]:
     """The dry run's text: `plan` (its float8 seam's report once it has converted a model), the communication
     plan's lines `comm` and `warnings`."""
     facts, args, t = plan.facts, plan.model_args, cfg.training

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from trainer.config import Layout
+from trainer.distributed.process_group import MESH_DIMS
 
-# The mesh dims' names (trainer/distributed/process_group.py's MESH_DIMS), by their index in the layout.
-_DIMS = {"dp_replicate": 0, "dp_shard": 1, "tp": 2}
 GB = 1e9
 
 
@@ -63,13 +62,13 @@ class StepShape:
 def group_spans_nodes(layout: Layout, dim: str, nproc_per_node: int) -> bool:
     """Whether any group of mesh dim `dim` holds ranks of two nodes (ranks numbered replicate, shard, tp
     outermost first, consecutive ranks on one node)."""
-    sizes = tuple(layout)
-    stride = 1
-    for inner in sizes[_DIMS[dim] + 1:]:
+    index = MESH_DIMS.index(dim)  # the layout's degrees are in the mesh's order
+    size, stride = layout[index], 1
+    for inner in layout[index + 1:]:
         stride *= inner
     for first in range(layout.world_size):
-        if (first // stride) % sizes[_DIMS[dim]] == 0:  # the group's lowest rank
-            nodes = {(first + i * stride) // nproc_per_node for i in range(sizes[_DIMS[dim]])}
+        if (first // stride) % size == 0:  # the group's lowest rank
+            nodes = {(first + i * stride) // nproc_per_node for i in range(size)}
             if len(nodes) > 1:
                 return True
     return False
