@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from float8.blocks import expand_blocks
 from float8.fsdp_blocks import BlockSharding, block_shard_dim, gather_block_scales
@@ -303,10 +303,10 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
         return
     by_mesh: dict[Any, list[DTensor]] = {}
     for w in weights:
-        by_mesh.setdefault((w.device_mesh, w._local_tensor._cast is not None), []).append(w)
-    for (mesh, blocked), group in by_mesh.items():
+        by_mesh.setdefault((w.device_mesh, _fsdp_shard_dim(w), w._local_tensor._cast is not None), []).append(w)
+    for (mesh, shard_dim, blocked), group in by_mesh.items():
         if blocked:
-            _precompute_block_scales(mesh, group, cast_weights)
+            _precompute_block_scales(mesh, shard_dim, group, cast_weights)
             continue
         shards = [w._local_tensor._tensor for w in group]
         nonempty = [s for s in shards if s.numel()]
@@ -314,10 +314,10 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
         amax = torch.stack([
             next(norms).float() if s.numel() else torch.zeros((), device=s.device) for s in shards
         ])
-        # The ranks that all-gather a weight together must share its scale: the FSDP dim,
-        # which fully_shard puts first on a 2-D (dp, tp) mesh. The same group as the
-        # per-weight fallback in fsdp_pre_all_gather, so both give the same scales.
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(0))
+        # The ranks that all-gather a weight together must share its scale: the FSDP shard dim, the
+        # same group as the per-weight fallback in fsdp_pre_all_gather, so both give the same scales.
+        # HSDP's replicas hold the same weights, so they compute the same scales without exchanging them.
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(shard_dim))
         for w, shard, scale in zip(group, shards, amax_to_scale(amax, E4M3).unbind()):
             local = w._local_tensor
             local._precomputed_scale = scale
@@ -325,14 +325,22 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
             local._float8_shard = cast_weight_with_scale(shard, scale, E4M3, out=kept) if cast_weights else None
 
 
-def _precompute_block_scales(mesh: Any, weights: list[DTensor], cast_weights: bool) -> None:
+def _fsdp_shard_dim(w: DTensor) -> int:
+    """The mesh dim FSDP2 shards `w` over. fully_shard puts its dims first: (shard, *tp), or for HSDP
+    (a 2-D data-parallel mesh) (replicate, shard, *tp), whose first placement is Replicate()."""
+    return 1 if isinstance(w.placements[0], Replicate) else 0
+
+
+def _precompute_block_scales(mesh: Any, shard_dim: int, weights: list[DTensor], cast_weights: bool) -> None:
     """Block-scaled weights: each shard casts its own blocks, one all-gather of every weight's
-    scales over the FSDP dim (the first of the mesh); with `cast_weights` the bytes are kept."""
+    scales over the FSDP dim `shard_dim` of `mesh`; with `cast_weights` the bytes are kept."""
     locals_ = [w._local_tensor for w in weights]
     backend = eager_backend(locals_[0].device.type, "auto")
     casts = [operand(local._tensor, local._cast, backend) for local in locals_]
-    shardings = [local.block_sharding(mesh.size(0), w.shape if mesh.ndim == 1 else None) for local, w in zip(locals_, weights)]
-    scales = gather_block_scales([c.scale for c in casts], shardings, mesh.get_group(0))
+    # Without TP (no mesh dim after the shard dim) the DTensor's shape is the unsharded weight's.
+    unsharded = [w.shape if mesh.ndim == shard_dim + 1 else None for w in weights]
+    shardings = [local.block_sharding(mesh.size(shard_dim), shape) for local, shape in zip(locals_, unsharded)]
+    scales = gather_block_scales([c.scale for c in casts], shardings, mesh.get_group(shard_dim))
     for local, cast, scale in zip(locals_, casts, scales):
         local._precomputed_scale = scale
         kept = local._float8_shard if cast_weights else None

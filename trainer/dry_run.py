@@ -3,14 +3,22 @@ with the float8 conversion of the model on the meta device; no weight is allocat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import nn
 
 from trainer.config import Config
+from trainer.distributed.comm_plan import GB, StepShape, comm_plan
 from trainer.distributed.memory_plan import check_fits
-from trainer.launch import launch_world_size, launched_by_torchrun
+from trainer.launch import launch_world_size, launched_by_torchrun, local_world_size
 from trainer.log import info
 from trainer.model_setup import build_meta_model
 from trainer.plan import RunPlan
+from trainer.precision import TORCH_DTYPES
+
+# A GPU host's usual count, for a plan made without torchrun and without job.dry_run_nproc_per_node.
+DEFAULT_NPROC_PER_NODE = 8
 
 
 def _planned_world_size(cfg: Config) -> int:
@@ -19,8 +27,9 @@ def _planned_world_size(cfg: Config) -> int:
         return cfg.job.dry_run_world_size
     if launched_by_torchrun():
         return launch_world_size()
-    dp, tp = cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree
-    return dp * tp if dp > 0 else tp
+    p = cfg.parallelism
+    replicas_tp = p.data_parallel_replicate_degree * p.tensor_parallel_degree
+    return p.data_parallel_shard_degree * replicas_tp if p.data_parallel_shard_degree > 0 else replicas_tp
 
 
 def print_plan(cfg: Config) -> None:
@@ -28,21 +37,25 @@ def print_plan(cfg: Config) -> None:
     plan = RunPlan.resolve(cfg, _planned_world_size(cfg), load_tokenizer=False)
     device = torch.device(plan.device_type)
     # The dry run never times linears (filter = "auto"): it lists the ones the run would time.
-    plan.float8.convert(build_meta_model(plan.model_args), time_linears=False)
+    model = build_meta_model(plan.model_args)
+    plan.float8.convert(model, time_linears=False)
     warnings = plan.warnings(device)
     # On a host without a GPU, a plan left on training.device = 'auto' is likely meant for a GPU
     # machine: one that cannot fit this host is a warning; a plan for this device is refused.
     planned_elsewhere = device.type == "cpu" and cfg.training.device == "auto"
     if too_big := check_fits(plan.memory, device, refuse=not planned_elsewhere):
         warnings.append(too_big.replace("the plan needs", "on this host (no GPU) the plan needs", 1))
-    info("\n".join(plan_lines(cfg, plan, warnings)))
+    info("\n".join(plan_lines(cfg, plan, warnings, comm_lines(cfg, plan, model))))
 
 
-def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str]) -> list[str]:
-    """The dry run's text: `plan` (its float8 seam's report once it has converted a model) and `warnings`."""
+def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str], comm: Sequence[str] = ()) -> list[str]:
+    """The dry run's text: `plan` (its float8 seam's report once it has converted a model), the communication
+    plan's lines `comm` and `warnings`."""
     facts, args, t = plan.facts, plan.model_args, cfg.training
     fpt = facts.flops_per_token
-    layout = f"world {facts.world_size} = dp {facts.dp} (FSDP2) x tp {facts.tp}"
+    replicate, shard, tp = facts.layout
+    data_parallel = f"dp {facts.dp} (HSDP: replicate {replicate} x shard {shard})" if replicate > 1 else f"dp {facts.dp} (FSDP2)"
+    layout = f"world {facts.world_size} = {data_parallel} x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not cfg.job.dry_run_world_size:
         layout += " (dp = -1 takes the rest of the world at launch)"
     if plan.fast_path.text:
@@ -69,4 +82,31 @@ def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str]) -> list[str]:
     if plan.float8.filter_note:
         lines.append(f"  float8 filter     {plan.float8.filter_note}")
     lines.append(f"  memory estimate   {plan.memory.summary()}")
-    return lines + [f"  warning: {note}" for note in warnings]
+    return [*lines, *comm, *(f"  warning: {note}" for note in warnings)]
+
+
+def comm_lines(cfg: Config, plan: RunPlan, model: nn.Module) -> list[str]:
+    """The communication plan of `model` (on meta, float8-converted) in the plan's layout: a line per collective."""
+    t, ac = cfg.training, cfg.activation_checkpoint
+    shape = StepShape(
+        tokens=t.batch_size * t.seq_len, grad_accum=t.gradient_accumulation_steps,
+        param_bytes=TORCH_DTYPES[plan.params.dtype].itemsize, reduce_bytes=TORCH_DTYPES[t.mixed_precision_reduce].itemsize,
+        reshard_after_forward=cfg.parallelism.reshard_after_forward, tp_float8=plan.float8.tp_styles().float8_gathers,
+        loss_parallel=plan.vocab_sharded_logits, ac_mode=ac.mode, ac_option=ac.selective_option,
+    )
+    per_node = cfg.job.dry_run_nproc_per_node or (local_world_size() if launched_by_torchrun() else DEFAULT_NPROC_PER_NODE)
+    rows = comm_plan(model, plan.facts.layout, shape, plan.float8.gathered_in_float8(), per_node)
+    lines = [f"  communication     per GPU per step (bus bytes), {per_node} GPUs per node:"]
+    lines += [f"    {r.what:<46} {f'{r.dim} x{r.ranks}':<16} {_amount(r.bytes):>9}  "
+              f"{'across nodes' if r.crosses_nodes else 'within a node'}" for r in rows]
+    across = sum(r.bytes for r in rows if r.crosses_nodes)
+    total = f"{_amount(sum(r.bytes for r in rows)):>9}, {_amount(across)} across nodes" if rows else "nothing (one rank)"
+    return [*lines, f"    {'total':<46} {'':<16} {total}"]
+
+
+def _amount(n: float) -> str:
+    """`n` bytes in GB, MB, kB or B (decimal units, as link bandwidths are given)."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

@@ -72,22 +72,24 @@ class RunPlan:
         params = resolve_param_precision(cfg.training.mixed_precision_param, device_type)
         tokenizer = Tokenizer(cfg.model.tokenizer_path) if load_tokenizer else None
         args = model_args_for(cfg, tokenizer.n_words if tokenizer else None, device_type)
-        dp, tp = check_layout(cfg, world_size, args.n_heads, args.n_kv_heads)
-        vocab_sharded_logits = tp > 1 and cfg.parallelism.loss_parallel
+        layout = check_layout(cfg, world_size, args.n_heads, args.n_kv_heads)
+        vocab_sharded_logits = layout.tp > 1 and cfg.parallelism.loss_parallel
         # Float8 off gives a no-op seam: nothing that uses the plan asks whether float8 is on.
         float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, params.dtype))
         precision = PrecisionLabels.of(float8, params, cfg.training.mixed_precision_reduce)
         total, _ = n_params(args)
         without_embedding = total - args.vocab_size * args.dim
         facts = RunFacts.for_run(
-            cfg, world_size, dp, tp, params.dtype, precision.run_name, total,
+            cfg, layout, params.dtype, precision.run_name, total,
             flops_per_token(without_embedding, args.n_layers, args.dim, cfg.training.seq_len),
         )
         return RunPlan(
             device_type=device_type, params=params, tokenizer=tokenizer, model_args=args, facts=facts,
             params_without_embedding=without_embedding, vocab_sharded_logits=vocab_sharded_logits,
-            fast_path=choose_fast_path(cfg.parallelism.single_rank_fast_path, dp), float8=float8, precision=precision,
-            memory=estimate_for(cfg, args, device_type, dp, tp, params.dtype, vocab_sharded_logits,
+            fast_path=choose_fast_path(cfg.parallelism.single_rank_fast_path, layout.dp), float8=float8,
+            precision=precision,
+            # Replicas hold the whole of their shard group's state: the weights are split over the shards only.
+            memory=estimate_for(cfg, args, device_type, layout.shard, layout.tp, params.dtype, vocab_sharded_logits,
                                 float8_memory(cfg.float8)),
             notes=(*([params.warning] if params.warning else []), *notes(cfg)),
         )
@@ -95,4 +97,5 @@ class RunPlan:
     def warnings(self, device: torch.device) -> list[str]:
         """The plan's notes and the float8 seam's advice for `device`, once the seam has converted the
         model; the advice raises UserError for float8 this device cannot run."""
-        return [*self.notes, *self.float8.advice(device, self.facts.dp, self.facts.tp)]
+        # The all-gather advice is about FSDP's all-gathers: those within a shard group.
+        return [*self.notes, *self.float8.advice(device, self.facts.layout.shard, self.facts.tp)]

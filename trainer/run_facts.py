@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.config import Config
+from trainer.config import Config, Layout
 
 
 @dataclass(frozen=True)
 class RunFacts:
-    world_size: int
-    dp: int
-    tp: int
+    layout: Layout
     batch_size: int
     seq_len: int
     grad_accum: int
@@ -31,21 +29,39 @@ class RunFacts:
 
     @staticmethod
     def for_run(
-        cfg: Config, world_size: int, dp: int, tp: int, param_dtype: str, precision: str, n_params: int,
-        flops_per_token: int,
+        cfg: Config, layout: Layout, param_dtype: str, precision: str, n_params: int, flops_per_token: int,
     ) -> RunFacts:
         """`param_dtype` is training.mixed_precision_param resolved for the device (never 'auto'),
         `precision` the float8 seam's `run_name_precision`."""
         t = cfg.training
         tokens_per_rank = t.batch_size * t.seq_len * t.gradient_accumulation_steps
+        dp, tp = layout.dp, layout.tp
         return RunFacts(
-            world_size=world_size, dp=dp, tp=tp, batch_size=t.batch_size, seq_len=t.seq_len,
+            layout=layout, batch_size=t.batch_size, seq_len=t.seq_len,
             grad_accum=t.gradient_accumulation_steps, global_batch=t.batch_size * t.gradient_accumulation_steps * dp,
             tokens_per_step=tokens_per_rank * dp, tokens_per_gpu=tokens_per_rank / tp, param_dtype=param_dtype,
             precision=precision,
             run_name=cfg.job.run_name or f"{cfg.model.flavor}-{precision}-{cfg.compile.mode}",
             n_params=n_params, flops_per_token=flops_per_token,
         )
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks (replicas x shards): each reads its own batch."""
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    def mesh_text(self) -> str:
+        """The mesh as the startup summary says it: `dp=4 tp=2`, and under HSDP its two data-parallel dims."""
+        replicas = f" (replicate {self.layout.replicate} x shard {self.layout.shard}, HSDP)" if self.layout.replicate > 1 else ""
+        return f"dp={self.dp}{replicas} tp={self.tp}"
 
     def tokens_per_step_text(self) -> str:
         return (f"{self.tokens_per_step:,} (batch {self.batch_size} x seq {self.seq_len} x accum {self.grad_accum} "
@@ -64,7 +80,7 @@ def startup_summary(
         run,
         f"model llama2 {cfg.model.flavor}: {facts.n_params:,} params, {n_layers} layers, "
         f"{facts.flops_per_token / 1e9:.2f} GFLOP/token",
-        f"device {device} x {facts.world_size}; mesh dp={facts.dp} tp={facts.tp}" + (f"; {fast_path}" if fast_path else ""),
+        f"device {device} x {facts.world_size}; mesh {facts.mesh_text()}" + (f"; {fast_path}" if fast_path else ""),
         f"precision {precision}; compile {cfg.compile.mode}; activation checkpoint {cfg.activation_checkpoint.mode}; "
         f"packed attention {attention}",
         f"tokens per step {facts.tokens_per_step_text()}",

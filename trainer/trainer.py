@@ -55,7 +55,7 @@ class Trainer:
         # Before any weight is allocated: the advice refuses float8 on GPUs without float8 GEMMs.
         self.advice = plan.warnings(self.device)
         self.model = parallelize_llama(
-            model, self.mesh, tp_styles=plan.float8.tp_styles(), vocab_sharded_logits=plan.vocab_sharded_logits,
+            model, self.mesh.world, tp_styles=plan.float8.tp_styles(), vocab_sharded_logits=plan.vocab_sharded_logits,
             activation_checkpoint=cfg.activation_checkpoint, compile_config=cfg.compile,
             param_dtype=TORCH_DTYPES[plan.params.dtype], reduce_dtype=TORCH_DTYPES[cfg.training.mixed_precision_reduce],
             reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=plan.fast_path.on,
@@ -76,7 +76,7 @@ class Trainer:
         self.stop_request = StopRequest(self.device, saving=cfg.checkpoint.enable)
         self.parts = StepParts(
             self.model, self.optimizer, self.lr_scheduler, plan.float8.post_optimizer_step, self.device,
-            self.mesh["dp"].get_group(), facts.dp, plan.vocab_sharded_logits, cfg.training.max_norm,
+            self.mesh.data_parallel.get_group(), facts.dp, plan.vocab_sharded_logits, cfg.training.max_norm,
         )
 
     # -- setup helpers -------------------------------------------------------
@@ -97,8 +97,8 @@ class Trainer:
         # refused with the numbers (trainer/distributed/memory_plan.py).
         check_fits(plan.memory, self.device)
         seed_everything(cfg.training.seed, cfg.training.deterministic)
-        self.mesh = process_group.build_mesh(plan.device_type, plan.facts.dp, plan.facts.tp)
-        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.mesh = process_group.build_mesh(plan.device_type, plan.facts.layout)
+        self.dp_rank = self.mesh.data_parallel.get_local_rank()
         return plan
 
     def _build_data(self) -> None:
@@ -114,7 +114,7 @@ class Trainer:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
                 cfg.validation, loader("validation", 0), cfg.training.steps, device=self.device,
-                dp_group=self.mesh["dp"].get_group(), vocab_sharded_logits=plan.vocab_sharded_logits,
+                dp_group=self.mesh.data_parallel.get_group(), vocab_sharded_logits=plan.vocab_sharded_logits,
                 accuracy=cfg.data.kind == "sft",
             )
 

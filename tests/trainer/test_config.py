@@ -142,9 +142,9 @@ def test_toml_type_errors_name_key(tmp_path):
 
 def test_layout_checks():
     cfg = Config()
-    assert check_layout(cfg, 4, 8, 4) == (4, 1)
+    assert check_layout(cfg, 4, 8, 4) == (1, 4, 1)
     cfg.parallelism.tensor_parallel_degree = 2
-    assert check_layout(cfg, 4, 8, 4) == (2, 2)
+    assert check_layout(cfg, 4, 8, 4) == (1, 2, 2)
     cfg.parallelism.data_parallel_shard_degree = 3
     with pytest.raises(UserError, match="does not match the world size 4"):
         check_layout(cfg, 4, 8, 4)
@@ -152,6 +152,23 @@ def test_layout_checks():
     cfg.parallelism.tensor_parallel_degree = 4
     with pytest.raises(UserError, match="must divide the number of heads"):
         check_layout(cfg, 4, 8, 2)
+
+
+def test_hsdp_layout_checks():
+    cfg = build_config(["--parallelism.data_parallel_replicate_degree", "2"])
+    layout = check_layout(cfg, 8, 8, 4)
+    assert (layout, layout.dp, layout.world_size) == ((2, 4, 1), 8, 8)
+    cfg = build_config(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.tensor_parallel_degree", "2"])
+    assert check_layout(cfg, 4, 8, 4) == (2, 1, 2)
+    with pytest.raises(UserError, match=r"^parallelism.data_parallel_replicate_degree \(2\) x tensor_parallel_degree \(2\) "
+                                        r"= 4 does not divide the world size 6$"):
+        check_layout(cfg, 6, 8, 4)
+    cfg = build_config(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"])
+    with pytest.raises(UserError, match=r"^parallelism.data_parallel_replicate_degree \(2\) x data_parallel_shard_degree "
+                                        r"\(2\) x tensor_parallel_degree \(1\) = 4 does not match the world size 8$"):
+        check_layout(cfg, 8, 8, 4)
+    with pytest.raises(UserError, match=r"^parallelism.data_parallel_replicate_degree must be positive, got 0$"):
+        build_config(["--parallelism.data_parallel_replicate_degree", "0"])
 
 
 def test_help_lists_every_option(capsys):

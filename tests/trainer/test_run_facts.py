@@ -2,16 +2,18 @@ import dataclasses
 
 import pytest
 
-from trainer.config import build_config
+from trainer.config import Layout, build_config
 from trainer.float8_seam.rules import Float8RunContext
 from trainer.float8_seam.seam import build_seam
 from trainer.run_facts import RunFacts, startup_summary
 
+FSDP4_TP2 = Layout(1, 4, 2)
 
-def _facts(args, world_size=8, dp=4, tp=2, param_dtype="bfloat16"):
+
+def _facts(args, layout=FSDP4_TP2, param_dtype="bfloat16"):
     cfg = build_config(["--config", "configs/debug.toml", *args])
     precision = build_seam(cfg.float8, Float8RunContext.for_run(cfg, "cpu", param_dtype)).run_name_precision(param_dtype)
-    return cfg, RunFacts.for_run(cfg, world_size, dp, tp, param_dtype, precision, n_params=1000, flops_per_token=6000)
+    return cfg, RunFacts.for_run(cfg, layout, param_dtype, precision, n_params=1000, flops_per_token=6000)
 
 
 def test_batch_and_token_counts_follow_the_layout():
@@ -40,7 +42,7 @@ def test_run_name_and_precision_label(args, param_dtype, name):
 def test_facts_are_frozen_and_the_summary_uses_them():
     cfg, facts = _facts(["--job.description", "a test"])
     with pytest.raises(dataclasses.FrozenInstanceError):
-        facts.dp = 1
+        facts.layout = Layout(1, 1, 1)
     lines = startup_summary(facts, cfg, 4, "sdpa", "cpu (no known peak)", "params bfloat16", "1 GiB")
     assert lines[0] == "run debug-bf16-none: a test"
     assert "1,000 params, 4 layers, 0.00 GFLOP/token" in lines[1]
@@ -53,7 +55,7 @@ def test_summary_and_dry_run_say_whether_the_single_rank_fast_path_is_on(switch,
     from trainer.distributed.single_rank_fast_path import choose_fast_path
     from trainer.dry_run import print_plan
 
-    cfg, facts = _facts(["--parallelism.single_rank_fast_path", switch, "--training.device", "cpu"], 1, 1, 1)
+    cfg, facts = _facts(["--parallelism.single_rank_fast_path", switch, "--training.device", "cpu"], Layout(1, 1, 1))
     fast_path = choose_fast_path(cfg.parallelism.single_rank_fast_path, facts.dp).text
     assert fast_path.startswith("single-rank fast path")  # its wording: tests/trainer/distributed/test_single_rank_fast_path.py
     lines = startup_summary(facts, cfg, 4, "sdpa", "cpu (no known peak)", "params bfloat16", "1 GiB", fast_path)

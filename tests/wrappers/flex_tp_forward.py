@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from trainer.config import build_config
+from trainer.config import Layout, build_config
 from trainer.distributed import process_group
 from trainer.distributed.parallelize import PLAIN_TP_STYLES, parallelize_llama
 from trainer.model_setup import build_meta_model, init_weights, model_args_for
@@ -26,7 +26,7 @@ def main() -> None:
         "--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "float32",
     ])
     info = process_group.init_distributed("cpu")
-    mesh = process_group.build_mesh("cpu", 1, 2)
+    mesh = process_group.build_mesh("cpu", Layout(1, 1, 2)).world
     torch.manual_seed(0)
     tokens = torch.randint(0, 2048, (2, 256))
     lengths = ([50, 130, 76], [128, 100, 28])

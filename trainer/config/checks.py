@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from typing import NamedTuple
 
 from trainer.config.schema import SECTIONS, Config, DataFormat, choices_of
 from trainer.config.sources import SourceConfig
@@ -78,6 +79,7 @@ def _check_signs(cfg: Config) -> None:
         ("training", "batch_size"), ("training", "seq_len"), ("training", "steps"),
         ("training", "gradient_accumulation_steps"), ("metrics", "log_freq"),
         ("checkpoint", "interval"), ("parallelism", "tensor_parallel_degree"),
+        ("parallelism", "data_parallel_replicate_degree"),
         ("validation", "freq"),
     ]
     for section, key in positive:
@@ -88,7 +90,7 @@ def _check_signs(cfg: Config) -> None:
         ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
         ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("validation", "steps"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
         ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
-        ("job", "dry_run_world_size"),
+        ("job", "dry_run_world_size"), ("job", "dry_run_nproc_per_node"),
     ]
     for section, key in non_negative:
         value = getattr(getattr(cfg, section), key)
@@ -141,18 +143,44 @@ def _check_sources(section: str, sources: list[SourceConfig]) -> None:
         seen[name] = i
 
 
-def check_layout(cfg: Config, world_size: int, n_heads: int, n_kv_heads: int) -> tuple[int, int]:
-    """Resolve (dp, tp) for this world size, or raise a one-line UserError."""
+class Layout(NamedTuple):
+    """The parallel layout: `replicate` copies (HSDP) of a model FSDP-sharded over `shard` ranks, each rank
+    of which is a TP group of `tp`. The data-parallel ranks are replicate x shard: each reads its own batch."""
+
+    replicate: int
+    shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+
+def check_layout(cfg: Config, world_size: int, n_heads: int, n_kv_heads: int) -> Layout:
+    """Resolve the layout for this world size, or raise a one-line UserError."""
     tp = cfg.parallelism.tensor_parallel_degree
-    dp = cfg.parallelism.data_parallel_shard_degree
+    replicate = cfg.parallelism.data_parallel_replicate_degree
+    shard = cfg.parallelism.data_parallel_shard_degree
     if world_size % tp:
         raise UserError(f"parallelism.tensor_parallel_degree = {tp} does not divide the world size {world_size}")
-    if dp == -1:
-        dp = world_size // tp
-    if dp * tp != world_size:
+    if world_size % (replicate * tp):
+        raise UserError(f"parallelism.data_parallel_replicate_degree ({replicate}) x tensor_parallel_degree ({tp}) = "
+                        f"{replicate * tp} does not divide the world size {world_size}")
+    if shard == -1:
+        shard = world_size // (replicate * tp)
+    if replicate * shard * tp != world_size:
+        if replicate == 1:
+            raise UserError(
+                f"parallelism.data_parallel_shard_degree ({shard}) x tensor_parallel_degree ({tp}) = {shard * tp} "
+                f"does not match the world size {world_size}"
+            )
         raise UserError(
-            f"parallelism.data_parallel_shard_degree ({dp}) x tensor_parallel_degree ({tp}) = {dp * tp} "
-            f"does not match the world size {world_size}"
+            f"parallelism.data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree ({shard}) x "
+            f"tensor_parallel_degree ({tp}) = {replicate * shard * tp} does not match the world size {world_size}"
         )
     if n_heads % tp or n_kv_heads % tp:
         raise UserError(
@@ -161,4 +189,4 @@ def check_layout(cfg: Config, world_size: int, n_heads: int, n_kv_heads: int) ->
         )
     if tp > 1 and cfg.training.seq_len % tp:
         raise UserError(f"training.seq_len = {cfg.training.seq_len} must be divisible by tensor_parallel_degree = {tp} (sequence parallel)")
-    return dp, tp
+    return Layout(replicate, shard, tp)

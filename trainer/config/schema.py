@@ -68,10 +68,8 @@ class JobConfig:
     dump_folder: str = _opt("outputs/debug", "Folder for config.toml, metrics.jsonl, tb/, checkpoints/, profiles/.")
     description: str = _opt("", "Free text describing the run; shown at startup and in TensorBoard.")
     dry_run: bool = _opt(False, "Build the model on the meta device, print the plan and exit without allocating weights.")
-    dry_run_world_size: int = _opt(
-        0, "The number of GPUs the dry run plans for (0 = torchrun's world, else the layout's degrees): plan a "
-           "multi-GPU run from one process, e.g. 8 for a 7B run sharded over 8 GPUs."
-    )
+    dry_run_world_size: int = _opt(0, "The number of GPUs the dry run plans for (0 = torchrun's world, else the layout's degrees): plan a multi-GPU run from one process, e.g. 8 for a 7B run sharded over 8 GPUs.")
+    dry_run_nproc_per_node: int = _opt(0, "GPUs per node the dry run's communication plan assumes (0 = torchrun's --nproc_per_node, else 8).")
     run_name: str = _opt("", "TensorBoard run name under <dump_folder>/tb/ (default: <flavor>-<precision>-<compile mode>).")
 
 
@@ -149,9 +147,10 @@ class CompileConfig:
 
 @_section
 class ParallelismConfig:
-    """Device mesh: data-parallel sharding (FSDP2) x tensor parallel."""
+    """Device mesh: data-parallel replicas x data-parallel sharding (FSDP2) x tensor parallel."""
 
-    data_parallel_shard_degree: int = _opt(-1, "FSDP degree; -1 = world size / tensor_parallel_degree.")
+    data_parallel_replicate_degree: int = _opt(1, "HSDP: replicas of the FSDP-sharded model (gradients all-reduced across them); 1 = plain FSDP.")
+    data_parallel_shard_degree: int = _opt(-1, "FSDP degree (within a replica); -1 = world size / (data_parallel_replicate_degree x tensor_parallel_degree).")
     tensor_parallel_degree: int = _opt(1, "Tensor (and sequence) parallel degree.")
     reshard_after_forward: bool = _opt(True, "FSDP: free gathered weights after forward (saves memory, regathers in backward).")
     float8_tensor_parallel: bool = _opt(True, "With tensorwise float8, use float8-aware TP styles (all-gathers move float8).")

@@ -1,6 +1,7 @@
 """A deliberately simple estimate of the peak memory per GPU, and the refusal of plans that cannot fit.
 
-Per GPU, with P parameters, data-parallel degree dp, tensor-parallel degree tp and
+Per GPU, with P parameters, data-parallel degree dp (the FSDP shard degree: HSDP's replicas each hold
+their shard group's whole state), tensor-parallel degree tp and
 T = batch x seq / tp tokens per micro-batch (TP's sequence-parallel parts hold 1/tp of them):
 
     state       = P x (4 fp32 master + 8 AdamW) / (dp x tp)  + one block's gathered weights

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from trainer.config import ActivationCheckpointConfig, CompileConfig
 from trainer.distributed.activation_checkpoint import apply_ac
+from trainer.distributed.process_group import fsdp_mesh
 from trainer.distributed.single_rank_fast_path import apply_fast_path
 from trainer.errors import UserError
 
@@ -35,12 +36,14 @@ class TPStyles:
 
     local_inputs: the module-input style hands local tensors to the colwise linears (the
     float8 gathers do, float8/tp.py), so the module inputs use `use_local_output=True`.
+    float8_gathers: the activation all-gathers move float8 (the communication plan counts 1 byte).
     """
 
     colwise: type[ColwiseParallel]
     rowwise: type[RowwiseParallel]
     prepare_input: type[PrepareModuleInput]
     local_inputs: bool = False
+    float8_gathers: bool = False
 
 
 PLAIN_TP_STYLES = TPStyles(ColwiseParallel, RowwiseParallel, PrepareModuleInput)
@@ -71,7 +74,7 @@ def parallelize_llama(
         apply_ac(model, activation_checkpoint.mode, activation_checkpoint.selective_option)
     if compile_config.mode != "none":
         apply_compile(model, compile_config.mode, compile_config.backend)
-    apply_fsdp(model, mesh["dp"], param_dtype, reduce_dtype, reshard_after_forward)
+    apply_fsdp(model, fsdp_mesh(mesh), param_dtype, reduce_dtype, reshard_after_forward)
     if single_rank_fast_path:
         apply_fast_path(model)
     return model
@@ -151,9 +154,11 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
 ) -> None:
-    """fully_shard each block, then the root (embedding, final norm and output)."""
+    """fully_shard each block, then the root (embedding, final norm and output), over `dp_mesh`: the
+    shard dim, or (replicate, shard) for HSDP."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    place = _shard_placement(dp_mesh.size())
+    # The shard dim is the last either way; a weight is split over it alone.
+    place = _shard_placement(dp_mesh.size(dp_mesh.ndim - 1))
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's weights are needed again at once by backward: keep them gathered.

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainer.config import Layout
+
 
 @dataclass
 class DistInfo:
@@ -56,8 +58,31 @@ def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
-def build_mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
-    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+# Outermost first, so consecutive ranks (one node's GPUs) share the inner dims: TP, whose collectives run
+# in every block, then the FSDP shards; HSDP's replicas, which only all-reduce gradients, span nodes.
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class RunMesh:
+    world: DeviceMesh  # MESH_DIMS
+    # The two data-parallel dims flattened: the ranks that read different batches (the data loader's rank
+    # and degree, the loss's token count, held-out totals). Kept here: torch deprecates slicing it from `world`.
+    data_parallel: DeviceMesh
+
+
+def build_mesh(device_type: str, layout: Layout) -> RunMesh:
+    """The 3-D mesh of `layout` and its flattened data-parallel ranks."""
+    world = init_device_mesh(device_type, (layout.replicate, layout.shard, layout.tp), mesh_dim_names=MESH_DIMS)
+    return RunMesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"))
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP2's mesh: the shard dim, or with more than one replica the 2-D (replicate, shard) mesh (HSDP:
+    all-gathers and reduce-scatters within a shard group, then gradients all-reduced across replicas)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
 
 
 def shutdown(clean: bool) -> None:

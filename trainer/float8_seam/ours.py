@@ -38,7 +38,7 @@ from trainer.float8_seam.rules import (
 
 # The float8 gathers hand local tensors to the float8 colwise linears (float8/tp.py).
 FLOAT8_TP_STYLES = TPStyles(
-    Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput, local_inputs=True
+    Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput, local_inputs=True, float8_gathers=True
 )
 # Below this many tokens per GPU per micro-batch the float8 GEMMs are too small to beat bf16.
 MIN_FLOAT8_TOKENS = 8192

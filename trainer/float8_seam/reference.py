@@ -122,7 +122,7 @@ class TorchaoFloat8Training(Float8Rules):
 
         # torchao's module-input style hands its colwise linears float8 DTensors, which they take as
         # they are: no local inputs.
-        return TPStyles(Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+        return TPStyles(Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput, float8_gathers=True)
 
     def post_optimizer_step(self, model: nn.Module) -> None:
         """After each optimizer step: the float8 all-gather's weight scales, in one all-reduce."""

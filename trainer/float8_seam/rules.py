@@ -79,6 +79,10 @@ class Float8Rules:
         """What the memory estimate counts of float8 (before any seam is built: it runs first)."""
         return Float8Memory(linears=True)
 
+    def gathered_in_float8(self) -> set[str]:
+        """The linears (module names) whose weights FSDP all-gathers in float8, once `convert` has run."""
+        return set(self.report.converted) if self.all_gather and self.report else set()
+
     # -- labels: the precision of the run, each said in one place ---------------------------------------
 
     def run_name_precision(self, param_dtype: str) -> str:
