@@ -7,11 +7,13 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import runpy
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -28,18 +30,17 @@ def run_train(
     args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, script: str = "train.py",
     launcher: str = "fork",
 ) -> subprocess.CompletedProcess:
-    """`script` (train.py, or a test wrapper of it) with `args` in `nproc` processes.
+    """`script` (train.py, a test wrapper of it, or a command in scripts/) with `args` in `nproc` processes.
 
-    train.py's ranks are forked from a server that has imported torch and the trainer, with
-    torchrun's environment, unless `launcher` is "torchrun" (for tests of torchrun's own
-    behaviour) or `env` sets a variable (one read at import time, say) to another value than the
-    server started with.
+    The ranks are forked from a server that has imported torch and the project, with torchrun's
+    environment, unless `launcher` is "torchrun" (for tests of torchrun's own behaviour) or `env`
+    sets a variable (one read at import time, say) to another value than the server started with.
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     for name in _LAUNCH_ENV:
         full_env.pop(name, None)
-    if launcher == "fork" and script == "train.py" and _forkable(env or {}):
-        return _run_train_forked(args, nproc, timeout, full_env)
+    if launcher == "fork" and _forkable(env or {}):
+        return _run_forked(script, args, nproc, timeout, full_env)
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
@@ -48,6 +49,11 @@ def run_train(
             f"--master_port={free_port()}", script, *args,
         ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_script(script: str, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` from the repository root, forked as run_train forks train.py."""
+    return run_train(args, timeout=timeout, env=env, script=script)
 
 
 # train.py runs are forked from a server process that has imported torch and the trainer once
@@ -65,7 +71,10 @@ def _torchrun_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, st
 
 
 _LAUNCH_ENV = tuple(_torchrun_env(0, 1, 0, ""))
-_IMPORT_TIME_ENV_IGNORED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", *_LAUNCH_ENV}
+# Variables a fork may set freely: read after the imports (the thread count, the launch, the
+# wrappers' instructions in tests/wrappers/, which they read when they start).
+_IMPORT_TIME_ENV_IGNORED = {"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", *_LAUNCH_ENV,
+                            "CRASH", "NONFINITE_ATTEMPTS", "TRAIN_HOOKS", "TRAIN_HOOKS_DIR"}
 # The environment before any test changed it (this module is imported at collection): the
 # server starts with it whichever test first needs it, so a variable one test sets does not
 # send every later run of the worker to real processes.
@@ -83,7 +92,7 @@ _PRELOAD = [
     "torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel", "torch.distributed.checkpoint", "torch.utils.tensorboard", "train",
     *sorted(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            for package in ("models", "float8", "trainer") for path in (ROOT / package).rglob("*.py")),
+            for package in ("models", "float8", "trainer", "scripts") for path in (ROOT / package).rglob("*.py")),
 ]
 
 
@@ -112,8 +121,10 @@ def _forkable(env: dict[str, str]) -> bool:
     return all(_SERVER_ENV.get(k) == v for k, v in env.items() if k not in _IMPORT_TIME_ENV_IGNORED)
 
 
-def _train_main_in_fork(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
-    """What `python train.py ARGS` does from its `__main__` block, in a forked child."""
+def _script_main_in_fork(script: str, args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    """What `python SCRIPT ARGS` does, in a forked child: the script runs as __main__ with its folder
+    first on sys.path, and its exit code (SystemExit's, or 0) is the process's. The child leaves
+    through os._exit, as train.py always does: no interpreter teardown."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
@@ -123,31 +134,41 @@ def _train_main_in_fork(args: list[str], env: dict[str, str], stdout: str, stder
         os.close(target)
     sys.stdout.reconfigure(write_through=True)
     sys.stderr.reconfigure(write_through=True)
-    sys.argv = ["train.py", *args]
+    path = str(ROOT / script)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(path))
     multiprocessing.set_start_method(None, force=True)  # a new process's default, not the server's
     import torch
 
-    import train
-
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    code = 0
     try:
-        code = train.main(args)
+        runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else _print_exit_message(e.code))
     except KeyboardInterrupt:
         code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def _run_train_forked(args: list[str], nproc: int, timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _print_exit_message(message: object) -> int:
+    """SystemExit("text") prints the text to stderr and exits 1, as the interpreter does."""
+    print(message, file=sys.stderr)
+    return 1
+
+
+def _run_forked(script: str, args: list[str], nproc: int, timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
     context = _forkserver()
     port, run_id = free_port(), uuid.uuid4().hex
-    cmd = [sys.executable, "train.py", *args]
+    cmd = [sys.executable, script, *args]
     with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:
-        ranks = [context.Process(target=_train_main_in_fork,
-                                 args=(args, env if nproc == 1 else {**env, **_torchrun_env(rank, nproc, port, run_id)},
+        ranks = [context.Process(target=_script_main_in_fork,
+                                 args=(script, args, env if nproc == 1 else {**env, **_torchrun_env(rank, nproc, port, run_id)},
                                        out.name, err.name))
                  for rank in range(nproc)]
         for rank in ranks:

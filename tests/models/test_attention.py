@@ -8,7 +8,6 @@ are compared on CUDA only.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from models.llama import LlamaArgs, Transformer
 from models.llama.attention import document_block_mask, resolve_attention
-from tests.helpers import ROOT, run_train
+from tests.helpers import run_train
 from trainer.config import build_config
 from trainer.distributed.memory_plan import estimate
 from trainer.errors import UserError
@@ -165,15 +164,8 @@ def test_memory_plan_counts_no_dense_mask_with_flex() -> None:
 def test_flex_under_tensor_parallel_and_activation_checkpointing() -> None:
     """TP=2 (heads sharded: flex sees each rank's local heads), full AC, FSDP wrapping: logits of
     flex and of the dense mask agree (forward, eager blocks: see tests/wrappers/flex_tp_forward.py)."""
-    import subprocess
-    import sys
+    from tests.helpers import run_train
 
-    from tests.helpers import free_port
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-         "tests/wrappers/flex_tp_forward.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = run_train([], nproc=2, timeout=900, script="tests/wrappers/flex_tp_forward.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "flex == sdpa under TP=2" in proc.stdout

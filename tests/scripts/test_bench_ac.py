@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scripts import bench_ac
-from tests.helpers import ROOT
+from tests.helpers import run_script
 from trainer.config import build_config
 
 
@@ -88,11 +86,9 @@ def test_render_compares_each_mode_with_no_ac():
 @pytest.mark.slow
 def test_cpu_smoke_run(tmp_path):
     out = tmp_path / "ac"
-    cmd = [sys.executable, "scripts/bench_ac.py", "--flavor", "debug", "--n-layers", "1", "--batch-size", "1",
-           "--seq-len", "32", "--steps", "2", "--precisions", "bf16", "--compile", "none", "--ac", "none,full",
-           "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_script("scripts/bench_ac.py", [
+        "--flavor", "debug", "--n-layers", "1", "--batch-size", "1", "--seq-len", "32", "--steps", "2", "--precisions",
+        "bf16", "--compile", "none", "--ac", "none,full", "--out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cells = json.loads((out / "results.json").read_text())["cells"]
     assert [(c["ac"], c["ok"]) for c in cells] == [("none", True), ("full", True)], cells

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +14,7 @@ from float8.gemm import scaled_mm_supported
 from models.llama import LLAMA2_FLAVORS
 from models.llama.model import precompute_rope
 from scripts import bench_float8 as bench
-from tests.helpers import ROOT
+from tests.helpers import run_script
 from trainer.cli import run_command
 
 SMOKE_ARGS = dataclasses.replace(LLAMA2_FLAVORS["debug"], dim=64, n_heads=4, n_kv_heads=4, max_seq_len=64)
@@ -60,10 +59,9 @@ def test_ours_and_torchao_agree(mode):
 def test_smoke_runs_both_implementations(tmp_path):
     pytest.importorskip("torchao.float8")
     out = tmp_path / "bench.json"
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_float8.py", "--smoke", "--impl", "both", "--only", "blocks",
-         "--variants", "eager", "--modes", ",".join(["bf16", *RECIPES]), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_script("scripts/bench_float8.py", [
+        "--smoke", "--impl", "both", "--only", "blocks", "--variants", "eager", "--modes", ",".join(["bf16", *RECIPES]),
+        "--out", str(out)])
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["impls"] == ["ours", "torchao"] and report["torchao"] and report["failures"] == []

@@ -5,7 +5,6 @@ files, and CPU runs."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from scripts.harness import cells, traces
 from scripts.harness.compare import chart
 from scripts.harness.compare import report as rep
 from scripts.harness.compare import run as cr
-from tests.helpers import ROOT
+from tests.helpers import run_script
 from tests.scripts.test_profile_summary import EXPECTED, synthetic_trace
 from trainer.config import build_config
 
@@ -45,9 +44,7 @@ def _failed(precision: str, mode: str, reason: str = "RuntimeError: boom") -> cr
 
 
 def _run_script(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "scripts/compare_throughput.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run_script("scripts/compare_throughput.py", args, timeout=timeout)
 
 
 # -- pure helpers ------------------------------------------------------------------------------

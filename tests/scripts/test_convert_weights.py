@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ from models.llama import LLAMA2_FLAVORS, Transformer, initialized_model
 from models.llama.weight_conversion import hf_config_from_args, llama_to_hf
 from models.llama.weight_files import load_tensor_file, read_weights, write_weights
 from scripts.convert_weights import main
-from tests.helpers import ROOT
+from tests.helpers import run_script
 
 DEBUG = LLAMA2_FLAVORS["debug"]
 
@@ -139,10 +137,7 @@ def test_bad_inputs_exit_2_with_one_line(
 
 @pytest.mark.slow
 def test_cli_prints_no_traceback(tmp_path: Path) -> None:
-    script = ROOT / "scripts" / "convert_weights.py"
     argv = ["--from", "meta", "--to", "hf", str(tmp_path / "missing"), str(tmp_path / "out")]
-    result = subprocess.run(
-        [sys.executable, str(script), *argv], capture_output=True, text=True, check=False
-    )
+    result = run_script("scripts/convert_weights.py", argv)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr

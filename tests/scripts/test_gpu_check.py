@@ -14,7 +14,7 @@ from scripts import convert_weights
 from scripts import gpu_check as gc
 from scripts.harness.gpu_check import checks, runs
 from scripts.harness.gpu_check.report import Row, render_table
-from tests.helpers import ROOT
+from tests.helpers import run_script
 from trainer.errors import UserError
 
 
@@ -174,11 +174,9 @@ def test_convert_weights_random_source_writes_the_flavor_in_bf16(tmp_path):
 @pytest.mark.slow
 def test_cpu_smoke_run_layouts_and_resume(tmp_path):
     out = tmp_path / "gc"
-    cmd = [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--flavor", "debug", "--nproc", "1",
-           "--only", "layouts,resume", "--precisions", "bf16,tensorwise", "--compile", "none",
-           "--seq-len", "64", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_script("scripts/gpu_check.py", [
+        "--device", "cpu", "--flavor", "debug", "--nproc", "1", "--only", "layouts,resume", "--precisions",
+        "bf16,tensorwise", "--compile", "none", "--seq-len", "64", "--out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     table = render_table([]).splitlines()[0]

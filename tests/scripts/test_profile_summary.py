@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from torch import nn
 from float8 import Float8Config, convert_to_float8_training
 from scripts import profile_summary as ps
 from scripts.harness import traces
-from tests.helpers import ROOT
+from tests.helpers import run_script
 
 CPU, GPU = 100, 0
 
@@ -269,8 +267,7 @@ def test_a_real_cpu_trace_is_summarised_by_op(tmp_path):
     prof.export_chrome_trace(str(path))
     scaled_mm_calls = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
 
-    result = subprocess.run([sys.executable, "scripts/profile_summary.py", str(path), "--top", "1000"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_script("scripts/profile_summary.py", [str(path), "--top", "1000"], timeout=120)
     assert result.returncode == 0, result.stderr
     assert "no GPU kernels in this trace" in result.stdout.splitlines()[0]
     s = traces.summarize(traces.load_trace(path), top=1000)
@@ -299,7 +296,6 @@ def test_bad_input_is_one_line_exit_2(tmp_path, content, message):
     path = tmp_path / "trace.json"
     if content is not None:
         path.write_bytes(content)
-    result = subprocess.run([sys.executable, "scripts/profile_summary.py", str(path)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = run_script("scripts/profile_summary.py", [str(path)], timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith(f"error: {path}: {message}") and len(result.stderr.splitlines()) == 1

@@ -10,10 +10,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ import torch
 from models.llama import LLAMA2_FLAVORS, Transformer
 from models.llama.generation import generate
 from scripts import eval_sft
-from tests.helpers import ROOT, read_metrics, run_train
+from tests.helpers import read_metrics, run_script, run_train
 from trainer.config import build_config
 from trainer.data.loader import IGNORE_INDEX, build_dataloader
 from trainer.data.sft import load_sft_rows, reference_answer
@@ -32,9 +30,8 @@ from trainer.trainer import sft_options
 SFT = "configs/debug_sft.toml"
 
 
-def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, f"scripts/{script}", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run_command(script: str, *args: str) -> subprocess.CompletedProcess:
+    return run_script(f"scripts/{script}", list(args), timeout=300)
 
 
 def exact_match(proc: subprocess.CompletedProcess) -> float:
@@ -134,10 +131,10 @@ def test_short_sft_run_then_eval_and_generate(tmp_path):
     # whole reply yet: exact match needs the config's 1000 steps (0.9250, measured by hand).
     assert rows[-1]["step"] == 30 and rows[-1]["validation/accuracy"] >= 0.45, rows[-1]
 
-    trained = run_script("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24",
+    trained = run_command("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24",
                          "--show", "24")
     assert f"weights: {tmp_path}/checkpoints/step-30" in trained.stdout
-    untrained = run_script("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24",
+    untrained = run_command("eval_sft.py", "--config", SFT, "--job.dump_folder", dump, "--max_samples", "24",
                            "--show", "24", "--checkpoint.enable", "false")
     assert "untrained" in untrained.stdout
     # No whole reply is right after 30 steps, but the replies are already nearer the references
@@ -146,7 +143,7 @@ def test_short_sft_run_then_eval_and_generate(tmp_path):
     assert reply_similarity(trained) >= reply_similarity(untrained) + 0.1
 
     export = tmp_path / "checkpoints" / "final" / "model.safetensors"
-    gen = run_script("generate.py", "--config", SFT, "--weights", str(export), "--max_new_tokens", "8",
+    gen = run_command("generate.py", "--config", SFT, "--weights", str(export), "--max_new_tokens", "8",
                      "--prompt", "Copy the words: cat dog", "--temperature", "0.7", "--top_p", "0.9")
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert f"weights: {export}" in gen.stderr

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from tests.helpers import ROOT, free_port, read_metrics, run_train
+from tests.helpers import ROOT, free_port, read_metrics, run_script, run_train
 from trainer.checkpoint.dcp_reader import read_dcp_metadata
 from trainer.errors import UserError
 
@@ -395,9 +395,8 @@ def test_export_converts_to_hf_and_initial_weights_load(ref1, tmp_path):
     """The fp32 export, its HF conversion and the DCP checkpoint start a run from the same weights."""
     export = ref1 / "checkpoints" / "final" / "model.safetensors"
     hf = tmp_path / "hf"
-    convert = subprocess.run(
-        [sys.executable, "scripts/convert_weights.py", "--from", "torch", "--to", "hf", "--flavor", "debug",
-         str(export), str(hf)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    convert = run_script("scripts/convert_weights.py", ["--from", "torch", "--to", "hf", "--flavor", "debug",
+                                                         str(export), str(hf)], timeout=120)
     assert convert.returncode == 0, convert.stderr
     assert (hf / "config.json").is_file()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from models.llama import LLAMA2_FLAVORS, Transformer
 from models.llama.weight_files import read_weights, write_hf
-from tests.helpers import ROOT, read_metrics, run_train
+from tests.helpers import read_metrics, run_script, run_train
 from trainer.checkpoint.dcp_reader import load_dcp_model
 
 # The debug flavour cut to 2 layers, trained on tiny batches: seconds per run.
@@ -35,10 +34,7 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 
 
 def convert(*argv: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "scripts/convert_weights.py", *argv],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_script("scripts/convert_weights.py", list(argv), timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 

@@ -1,14 +1,12 @@
 import copy
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_script
 from trainer.data.loader import build_dataloader
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
@@ -326,8 +324,8 @@ def test_shipped_corpus(tok: Tokenizer) -> None:
 
 
 def test_shipped_corpus_is_reproducible(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "scripts/make_corpus.py", "--out", str(tmp_path)],
-                   cwd=ROOT, check=True, capture_output=True)
+    result = run_script("scripts/make_corpus.py", ["--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
     shipped = sorted((ROOT / "data" / "corpus").iterdir())
     assert [f.name for f in sorted(tmp_path.iterdir())] == [f.name for f in shipped]
     for f in shipped:

@@ -1,8 +1,6 @@
 import copy
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models.llama import LLAMA2_FLAVORS, Transformer
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_script
 from trainer.config import DataConfig
 from trainer.data.loader import build_dataloader
 from trainer.data.sft import (
@@ -435,7 +433,7 @@ def test_shipped_sft_data(tok: Tokenizer) -> None:
 
 
 def test_shipped_sft_data_is_reproducible(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "scripts/make_sft_data.py", "--out", str(tmp_path)],
-                   cwd=ROOT, check=True, capture_output=True)
+    result = run_script("scripts/make_sft_data.py", ["--out", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
     for name in ("train.jsonl", "eval.jsonl", "chat_example.jsonl"):
         assert (tmp_path / name).read_bytes() == (ROOT / "data" / "sft" / name).read_bytes(), name

@@ -1,11 +1,9 @@
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from sentencepiece import SentencePieceProcessor
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_script
 from trainer.cli import Interrupted
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
@@ -87,8 +85,6 @@ def test_a_sigterm_while_loading_is_not_a_bad_file(monkeypatch: pytest.MonkeyPat
 @pytest.mark.slow
 def test_shipped_model_is_reproducible(tmp_path: Path) -> None:
     out = tmp_path / "tokenizer.model"
-    subprocess.run(
-        [sys.executable, "scripts/train_tokenizer.py", "--out", str(out)],
-        cwd=ROOT, check=True, capture_output=True,
-    )
+    result = run_script("scripts/train_tokenizer.py", ["--out", str(out)])
+    assert result.returncode == 0, result.stderr
     assert out.read_bytes() == MODEL.read_bytes()
