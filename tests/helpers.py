@@ -122,9 +122,10 @@ def _forkable(env: dict[str, str]) -> bool:
 
 
 def _script_main_in_fork(script: str, args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
-    """What `python SCRIPT ARGS` does, in a forked child: the script runs as __main__ with its folder
-    first on sys.path, and its exit code (SystemExit's, or 0) is the process's. The child leaves
-    through os._exit, as train.py always does: no interpreter teardown."""
+    """What `python SCRIPT ARGS` does, in a forked child: the script runs as __main__ and its exit code
+    (SystemExit's, or 0) is the process's. Its folder is not put first on sys.path (no script imports
+    from its own folder; the project is importable from the root). The child leaves through os._exit,
+    as train.py always does: no interpreter teardown."""
     os.chdir(ROOT)
     os.environ.clear()
     os.environ.update(env)
@@ -136,7 +137,6 @@ def _script_main_in_fork(script: str, args: list[str], env: dict[str, str], stdo
     sys.stderr.reconfigure(write_through=True)
     path = str(ROOT / script)
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(path))
     multiprocessing.set_start_method(None, force=True)  # a new process's default, not the server's
     import torch
 
