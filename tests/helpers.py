@@ -56,9 +56,9 @@ def run_script(script: str, args: list[str], timeout: int = 600, env: dict | Non
     return run_train(args, timeout=timeout, env=env, script=script)
 
 
-# train.py runs are forked from a server process that has imported torch and the trainer once
-# per test worker, instead of new interpreters (torchrun's agent and each rank) paying ~5-8 s of
-# imports each on 2 cores. The server never runs a test or a torch op, so each fork starts as
+# Runs of train.py, its test wrappers and the commands in scripts/ are forked from a server process
+# that has imported torch and the project once per test worker, instead of new interpreters
+# (torchrun's agent and each rank) paying ~5-8 s of imports each on 2 cores. The server never runs a test or a torch op, so each fork starts as
 # clean as a new process; runs whose environment differs from the server's (variables read at
 # import time) take real processes. Ranks get the environment torchrun gives its workers, and,
 # as under torchrun, the first rank to fail brings the others down.
@@ -145,7 +145,11 @@ def _script_main_in_fork(script: str, args: list[str], env: dict[str, str], stdo
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else _print_exit_message(e.code))
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # SystemExit("text"): the interpreter prints the text and exits 1
+            print(e.code, file=sys.stderr)
+            code = 1
     except KeyboardInterrupt:
         code = 130
     except BaseException:
@@ -154,12 +158,6 @@ def _script_main_in_fork(script: str, args: list[str], env: dict[str, str], stdo
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _print_exit_message(message: object) -> int:
-    """SystemExit("text") prints the text to stderr and exits 1, as the interpreter does."""
-    print(message, file=sys.stderr)
-    return 1
 
 
 def _run_forked(script: str, args: list[str], nproc: int, timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
