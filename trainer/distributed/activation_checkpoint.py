@@ -71,6 +71,18 @@ def _full_ac_context():
 _full_ac_context.cache_hash = "trainer.distributed.activation_checkpoint._full_ac_context: recompute every op"
 
 
+def block_checkpointing(mode: str, selective_option: str, n_layers: int) -> list[str | None]:
+    """How each block is checkpointed: "full" (every op recomputed), "op" (the op policy: GEMM,
+    attention and reduce-scatter outputs saved) or None. `full` is every block, `selective` with an
+    integer N every N-th block in full, `selective` otherwise every block with the op policy."""
+    if mode == "none":
+        return [None] * n_layers
+    every_nth = int(selective_option) if mode == "selective" and selective_option.isdigit() else 0
+    if mode == "full" or every_nth:
+        return ["full" if mode == "full" or i % every_nth == 0 else None for i in range(n_layers)]
+    return ["op"] * n_layers
+
+
 def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
     """Wrap blocks in non-reentrant checkpointing: every block (`full`), every N-th
     (`selective` with an integer option), or every block with the op policy (`op`).
@@ -82,11 +94,11 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    every_nth = int(selective_option) if mode == "selective" and selective_option.isdigit() else 0
-    for i, (name, block) in enumerate(list(model.layers.named_children())):
-        if mode == "full" or (every_nth and i % every_nth == 0):
+    blocks = list(model.layers.named_children())
+    for (name, block), how in zip(blocks, block_checkpointing(mode, selective_option, len(blocks))):
+        if how == "full":
             wrapped = checkpoint_wrapper(block, context_fn=_full_ac_context, preserve_rng_state=False)
-        elif every_nth:
+        elif how is None:
             continue
         else:
             policy = _selective_policy()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from trainer.config import Layout
+from trainer.distributed.activation_checkpoint import block_checkpointing
 from trainer.distributed.process_group import MESH_DIMS
 
 GB = 1e9
@@ -95,15 +96,10 @@ def _weights(model: nn.Module, layout: Layout, float8_gathered: set[str], param_
 
 
 def _recomputed_blocks(shape: StepShape, n_layers: int) -> tuple[int, int]:
-    """(blocks whose forward all-gathers recompute, blocks whose forward reduce-scatters do)."""
-    if shape.ac_mode == "full":
-        return n_layers, n_layers
-    if shape.ac_mode == "selective" and shape.ac_option.isdigit():
-        every = -(-n_layers // int(shape.ac_option))
-        return every, every
-    if shape.ac_mode == "selective":
-        return n_layers, 0
-    return 0, 0
+    """(blocks whose forward all-gathers recompute, blocks whose forward reduce-scatters do): all of a
+    fully checkpointed block's; the op policy saves reduce-scatter outputs."""
+    blocks = block_checkpointing(shape.ac_mode, shape.ac_option, n_layers)
+    return sum(how is not None for how in blocks), blocks.count("full")
 
 
 def comm_plan(model: nn.Module, layout: Layout, shape: StepShape, float8_gathered: set[str],
