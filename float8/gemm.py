@@ -115,7 +115,9 @@ def _padded_block_scales(inv: torch.Tensor) -> torch.Tensor:
     l4 = -(-k_blocks // 4) * 4
     if inv.stride() == (l4, 1):
         return inv.as_strided((l4, n_blocks), (1, l4))
-    return F.pad(inv, (0, l4 - k_blocks)).t()
+    # contiguous first: with nothing to pad, F.pad clones and keeps a transposed view's strides (the
+    # backward's weight scales), and the .t() below would then hand cuBLAS row-major scales.
+    return F.pad(inv.contiguous(), (0, l4 - k_blocks)).t()
 
 
 def _cublas_blockwise_mm(

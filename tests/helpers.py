@@ -17,6 +17,8 @@ import traceback
 import uuid
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -117,7 +119,10 @@ def _forkable(env: dict[str, str]) -> bool:
     """Whether a run given `env` may fork: what a test passes is compared, not the whole
     environment, which libraries change as they load (torch's profiler sets KINETO_LOG_LEVEL in
     the first test that imports it; before, every later run of that worker took real processes).
-    The fork still runs with the whole environment."""
+    The fork still runs with the whole environment. With a GPU, runs take real processes: a forked
+    child cannot use CUDA once its parent touched it, and importing the preloaded modules does."""
+    if torch.cuda.is_available():
+        return False
     return all(_SERVER_ENV.get(k) == v for k, v in env.items() if k not in _IMPORT_TIME_ENV_IGNORED)
 
 

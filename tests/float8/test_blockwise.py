@@ -168,6 +168,11 @@ def test_cublas_call_passes_torchs_own_layout_checks(m, k, n):
     a, a_inv = _meta_blocks(m, k, (1, B))
     out = _cublas_blockwise_mm(a, *_meta_blocks(n, k, (B, B))[:1], a_inv, _meta_blocks(n, k, (B, B))[1], (1, B), (B, B))
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    # grad_input: the weight's block scales as the backward passes them, a transposed view of the
+    # forward's (a K-block count that needs no padding once was handed over row-major).
+    g, g_inv = _meta_blocks(m, n, (1, B))
+    w_t_inv = _meta_blocks(n, k, (B, B))[1].t()
+    assert _cublas_blockwise_mm(g, _meta_blocks(k, n, (B, B))[0], g_inv, w_t_inv, (1, B), (B, B)).shape == (m, k)
     # grad_weight: (out x tokens) 1x128 tiles by (in x tokens) 1x128 tiles.
     gt, gt_inv = _meta_blocks(n, m, (1, B))
     xt, xt_inv = _meta_blocks(k, m, (1, B))
