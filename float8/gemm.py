@@ -132,6 +132,9 @@ def _cublas_blockwise_mm(
 
     if a_block != (1, 128) or b_block not in _CUBLAS_BLOCKS or a.dtype != E4M3 or b.dtype != E4M3:
         raise ValueError(f"cuBLAS scales e4m3 1x128 tiles by 1x128 or 128x128 ones, got {a.dtype} {a_block} x {b.dtype} {b_block}")
+    # Row-major, whatever layout a traced cast of a transposed operand came out in (inductor then
+    # writes it so; the kernels' casts already are).
+    a, b = a.contiguous(), b.contiguous()
     m, pad_m, pad_k = a.shape[0], -a.shape[0] % 4, -a.shape[1] % 128
     if pad_m or pad_k:
         # float8 has no pad kernel on every backend; the same zero bytes as uint8 do. Added tokens'

@@ -174,7 +174,8 @@ def test_cublas_call_passes_torchs_own_layout_checks(m, k, n):
     w_t_inv = _meta_blocks(n, k, (B, B))[1].t()
     assert _cublas_blockwise_mm(g, _meta_blocks(k, n, (B, B))[0], g_inv, w_t_inv, (1, B), (B, B)).shape == (m, k)
     # grad_weight: (out x tokens) 1x128 tiles by (in x tokens) 1x128 tiles.
-    gt, gt_inv = _meta_blocks(n, m, (1, B))
+    # A traced cast of a transposed operand may come out column-major.
+    gt, gt_inv = _meta_blocks(m, n, (1, B))[0].t(), _meta_blocks(n, m, (1, B))[1]
     xt, xt_inv = _meta_blocks(k, m, (1, B))
     assert _cublas_blockwise_mm(gt, xt, gt_inv, xt_inv, (1, B), (1, B)).shape == (n, k)
 
