@@ -201,3 +201,23 @@ def test_traced_fullgraph_is_eager_bitwise():
         assert torch.equal(a, b)
     for p_e, p_c in zip(model.parameters(), compiled.parameters()):
         assert torch.equal(p_e.grad, p_c.grad)
+
+
+@pytest.mark.version_specific
+@pytest.mark.parametrize(("d_in", "d_out", "tokens"), [(4096, 11008, 4094), (11008, 4096, 8192), (4096, 4096, 8192)])
+def test_linear_forward_and_backward_pass_the_cublas_layout_checks(monkeypatch, d_in, d_out, tokens):
+    # The whole blockwise linear with the casts as torch.compile traces them, every GEMM handed to
+    # the cuBLAS call on meta tensors: what dynamo's fake run checks on a GPU (two layouts it
+    # refused there: the backward's transposed weight scales, a column-major grad_weight lhs).
+    import float8.linear
+    from float8.gemm import _cublas_blockwise_mm
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *_: False)  # no autocast state for meta
+    monkeypatch.setattr(float8.linear, "blockwise_mm", lambda a, b, a_inv, b_inv, a_block, b_block, out_dtype, _:
+                        _cublas_blockwise_mm(a, b, a_inv, b_inv, a_block, b_block).to(out_dtype))
+    linear = nn.Linear(d_in, d_out, bias=False, device="meta", dtype=torch.bfloat16)
+    f8 = Float8Linear.from_float(linear, Float8Config(scaling="blockwise"))
+    x = torch.empty(tokens, d_in, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    f8(x).sum().backward()
+    assert x.grad.shape == x.shape and f8.weight.grad.shape == f8.weight.shape
