@@ -1,7 +1,7 @@
 """Time the eager float8 casts one linear needs, per cast backend (float8/operands.py), on a GPU.
 
 For LLaMA-2-7B shapes at 8,192 tokens: an activation or gradient cast into both layouts its
-two GEMMs read (tensorwise and rowwise), a weight cast with a known scale (FSDP's float8
+two GEMMs read (tensorwise, rowwise, and blockwise's 1x128 tiles), a weight cast with a known scale (FSDP's float8
 all-gather), and a float8 transpose. Prints ms and effective bandwidth (bytes the cast must
 move at least: one read of the input, each output written once) per backend; writes JSON (an
 earlier file there moves to previous-N/ beside it first).
@@ -54,7 +54,7 @@ def cells(backends: list[str]) -> list[tuple[str, str, Callable[[], object], int
     out = []
     for m, k in ACTIVATIONS:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        for scaling in ("tensorwise", "rowwise"):
+        for scaling in ("tensorwise", "rowwise", "blockwise"):
             out += [(f"{scaling} both layouts bf16 {m}x{k}", b, both_layouts(x, scaling, b), 4 * m * k) for b in backends]
     for n, k in WEIGHTS:
         w = torch.randn(n, k, device="cuda")

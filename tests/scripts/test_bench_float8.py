@@ -100,6 +100,7 @@ def test_profile_is_read_by_the_trace_summary():
 
 
 def test_cast_bench_needs_a_gpu_and_times_what_the_linear_runs(monkeypatch, capsys):
+    from float8.blocks import cast_blockwise_t
     from float8.recipe import RECIPES
     from float8.scaling import cast_colwise_t, cast_tensorwise
     from scripts import bench_float8_casts
@@ -116,3 +117,7 @@ def test_cast_bench_needs_a_gpu_and_times_what_the_linear_runs(monkeypatch, caps
     assert torch.equal(data_t.view(torch.uint8), data.t().contiguous().view(torch.uint8))
     data_t = bench_float8_casts.both_layouts(x, "rowwise", "plain")().data
     assert torch.equal(data_t.view(torch.uint8), cast_colwise_t(x, RECIPES["rowwise"].grad_weight.rhs.dtype, fused=False)[0].view(torch.uint8))
+    x = torch.randn(256, 384)
+    spec = RECIPES["blockwise"].grad_weight.rhs
+    data_t = bench_float8_casts.both_layouts(x, "blockwise", "plain")().data
+    assert torch.equal(data_t.view(torch.uint8), cast_blockwise_t(x, spec.block, spec.dtype, fused=False)[0].view(torch.uint8))
