@@ -1,10 +1,10 @@
 """Time the eager float8 casts one linear needs, per cast backend (float8/operands.py), on a GPU.
 
 For LLaMA-2-7B shapes at 8,192 tokens: an activation or gradient cast into both layouts its
-two GEMMs read (tensorwise, rowwise, and blockwise's 1x128 tiles), a weight cast with a known scale (FSDP's float8
-all-gather), and a float8 transpose. Prints ms and effective bandwidth (bytes the cast must
-move at least: one read of the input, each output written once) per backend; writes JSON (an
-earlier file there moves to previous-N/ beside it first).
+two GEMMs read (tensorwise, rowwise, and blockwise's 1x128 tiles), a weight cast with a known
+scale (FSDP's float8 all-gather), and a float8 transpose. Prints ms and effective bandwidth
+(bytes the cast must move at least: one read of the input, each output written once) per
+backend; writes JSON (an earlier file there moves to previous-N/ beside it first).
 
     python scripts/bench_float8_casts.py --out bench_float8_casts.json
 """

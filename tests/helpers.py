@@ -143,8 +143,6 @@ def _script_main_in_fork(script: str, args: list[str], env: dict[str, str], stdo
     path = str(ROOT / script)
     sys.argv = [script, *args]
     multiprocessing.set_start_method(None, force=True)  # a new process's default, not the server's
-    import torch
-
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     code = 0
     try:
