@@ -110,4 +110,8 @@ def test_two_process_run_prints_each_warning_once(tmp_path):
     assert [line for line, n in Counter(output).items() if n > 1] == []
     assert len([line for line in output if line.startswith("step      1/1  loss")]) == 1
     assert len([line for line in output if line.startswith("run debug")]) == 1
-    assert sum("While redistributing" in line for line in result.stderr.splitlines()) <= 1
+    # torch's redistribution advice (one message in torch 2.11-2.13, two distinct ones in 2.14), each once:
+    # counted from the message on, so a rank's raw log line with its own prefix counts as a repeat.
+    advice = Counter(line[line.index("While redistributing"):] for line in result.stderr.splitlines()
+                     if "While redistributing" in line)
+    assert [a for a, n in advice.items() if n > 1] == [], result.stderr
