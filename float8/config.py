@@ -35,8 +35,8 @@ class Float8Config:
         cast compiled into fused kernels by torch.compile), "plain" (eager PyTorch ops), or
         "auto": triton on CUDA where Triton imports, else compiled on CUDA, plain elsewhere.
         triton and plain give the same bytes (compiled: a scale can be 1 ulp off, from
-        inductor's division). Under an outer torch.compile the casts are traced with the model
-        whatever this says.
+        inductor's division). Under an outer torch.compile the casts are traced with the model,
+        except block-scaled ones where this resolves to triton: those call the kernels as one op.
     dynamo_recompile_limit: the per-function recompile limit the "compiled" eager casts need
         (one variant per float8 dtype, input dtype and layout). Nothing in this package
         changes torch's global settings: `float8.raise_dynamo_recompile_limit(limit)` applies

@@ -16,6 +16,7 @@ from float8.operands import (
     Operand,
     cast_t_with_scale,
     eager_backend,
+    graph_backend,
     operand,
     operand_t,
     operands_both,
@@ -77,9 +78,10 @@ class _Float8Matmul(torch.autograd.Function):
         health_probe: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.recipe, ctx.emulate = recipe, emulate
-        # An outer torch.compile traces the plain casts. The backward takes the forward's
-        # choice: torch 2.11 does not report the compiled backward as compiling.
-        ctx.backend = backend = "plain" if torch.compiler.is_compiling() else eager_backend(x.device.type, eager_casts)
+        # An outer torch.compile traces the casts (float8/operands.py). The backward takes the
+        # forward's choice: torch 2.11 does not report the compiled backward as compiling.
+        ctx.backend = backend = graph_backend(x.device.type, eager_casts) if torch.compiler.is_compiling() \
+            else eager_backend(x.device.type, eager_casts)
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         ctx.x_shape = x_shape = x.shape
         # Casts keep their input's strides; the GEMM needs x row-major with no row gaps.

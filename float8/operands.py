@@ -1,11 +1,14 @@
 """The float8 matmul's GEMM operands: a tensor cast as a recipe's `Cast` says, by one of three
-eager cast backends.
+eager cast backends, or one inside torch.compile.
 
     "triton"    float8/kernels: one read of the tensor writes both layouts a linear needs, the
                 scale and its inverse come from the cast's own kernels (CUDA; on a CPU only
                 under TRITON_INTERPRET=1, for tests)
     "compiled"  float8/scaling.py's casts, each compiled into a fused kernel by torch.compile
     "plain"     the same casts as eager PyTorch ops; also what an outer torch.compile traces
+    "graph"     inside torch.compile where "triton" runs: casts traced as "plain" (inductor fuses
+                them with their neighbours), but block-scaled ones call the kernels' op, one read
+                for both layouts (inductor's tile reductions of a transposed layout are far slower)
 
 "triton" and "plain" give the same bytes (float8/kernels/cast.py says how exactly); "compiled"
 can round a scale 1 ulp off theirs (inductor's division), so its bytes differ now and then.
@@ -71,6 +74,13 @@ def eager_backend(device_type: str, mode: str) -> str:
     return mode
 
 
+@torch.compiler.assume_constant_result
+def graph_backend(device_type: str, mode: str) -> str:
+    """The backend of casts inside torch.compile for `Float8Config.eager_casts` = mode: "graph" where
+    the kernels run, else "plain". Decided once per trace, not in the graph."""
+    return "graph" if eager_backend(device_type, mode) == "triton" else "plain"
+
+
 def _kernels():
     from float8.kernels import cast
 
@@ -85,8 +95,9 @@ def _block_kernels():
 
 def _uses_kernels(t: torch.Tensor, backend: str, spec: Cast | None = None) -> bool:
     # Empty tensors (an FSDP shard with no rows) take the reference path: no zero-size grids.
-    return (backend == "triton" and t.ndim == 2 and t.is_contiguous() and t.numel() > 0
-            and (spec is None or spec.block is None or kernel_block(spec.block)))
+    blocks = spec is not None and spec.block is not None
+    return ((backend == "triton" or (backend == "graph" and blocks)) and t.ndim == 2 and t.is_contiguous() and t.numel() > 0
+            and (not blocks or kernel_block(spec.block)))
 
 
 def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bool) -> tuple[Operand | None, Operand | None]:

@@ -74,13 +74,75 @@ def _blocks_kernel(
             tl.store(inv_t_ptr + rk * t_k + pid_m * t_m, tl.math.div_rn(1.0, col_scale), mask=rk < K)
 
 
-def _column_first(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
+def _scale_buffers(rows: int, cols: int, b: int, square: bool, device: torch.device) -> list[torch.Tensor]:
+    """Dense buffers for the scales of a (rows, cols) operand's tiles and for their inverses, as
+    `_scale_view` reads them: B x B blocks' in rows padded to a multiple of 4, 1 x B tiles' column by column."""
+    n_cols = -(-cols // b)
+    shape = (-(-rows // b), -(-n_cols // 4) * 4) if square else (n_cols, rows)
+    return [torch.empty(shape, dtype=torch.float32, device=device) for _ in range(2)]
 
 
-def _padded_rows(rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """(rows, cols) as the first columns of a (rows, cols rounded up to 4) buffer."""
-    return torch.empty(rows, -(-cols // 4) * 4, dtype=torch.float32, device=device)[:, :cols]
+def _scale_view(buffer: torch.Tensor, cols: int, b: int, square: bool) -> torch.Tensor:
+    """A `_scale_buffers` buffer as the operand's (rows / br, cols / B) scales in the layout cuBLAS
+    reads (float8/gemm.py): B x B blocks' the first columns of padded rows, 1 x B tiles' strides (1, rows)."""
+    return buffer[:, : -(-cols // b)] if square else buffer.t()
+
+
+def _outputs(x: torch.Tensor, block: list[int], float8_dtype: torch.dtype, scaled: bool, rowmajor: bool,
+             transposed: bool) -> list[torch.Tensor]:
+    """The cast's outputs, dense: per layout asked for (row-major, then transposed), its float8
+    data, then (unless the scales are given) the buffers of its scales and of their inverses."""
+    (m, k), b, square = x.shape, block[1], block[0] == block[1]
+    out = []
+    for rows, cols, wanted in ((m, k, rowmajor), (k, m, transposed)):
+        if wanted:
+            out.append(torch.empty(rows, cols, dtype=float8_dtype, device=x.device))
+            out += [] if scaled else _scale_buffers(rows, cols, b, square, x.device)
+    return out
+
+
+def _layouts(out: list[torch.Tensor], scaled: bool, rowmajor: bool, transposed: bool) -> list[list[torch.Tensor | None]]:
+    """`_outputs`'s list as [data, scale buffer, inverse buffer] per layout, None where absent."""
+    parts, n = iter(out), 1 if scaled else 3
+    return [[next(parts) for _ in range(n)] + [None] * (3 - n) if wanted else [None] * 3 for wanted in (rowmajor, transposed)]
+
+
+def _views(layouts: list[list[torch.Tensor | None]], m: int, k: int, b: int, square: bool) -> list[torch.Tensor | None]:
+    """(data, data_t, scales, inverses, scales of data_t, their inverses) from `_layouts`."""
+    (data, s, inv), (data_t, s_t, inv_t) = layouts
+    s, inv, s_t, inv_t = (None if t is None else _scale_view(t, cols, b, square) for t, cols in ((s, k), (inv, k), (s_t, m), (inv_t, m)))
+    return [data, data_t, s, inv, s_t, inv_t]
+
+
+def _cast_blocks(
+    x: torch.Tensor, scale: torch.Tensor | None, block: list[int], float8_dtype: torch.dtype, pow2: bool,
+    rowmajor: bool, transposed: bool,
+) -> list[torch.Tensor]:
+    out = _outputs(x, block, float8_dtype, scale is not None, rowmajor, transposed)
+    if not x.numel():
+        return out
+    (m, k), b, square = x.shape, block[1], block[0] == block[1]
+    data, data_t, s, inv, s_t, inv_t = _views(_layouts(out, scale is not None, rowmajor, transposed), m, k, b, square)
+    s = scale if scale is not None else s
+    s_m, s_k = s.stride() if s is not None else (0, 0)
+    t_k, t_m = s_t.stride() if s_t is not None else (0, 0)
+    _blocks_kernel[(-(-m // b), -(-k // b))](
+        x, data, data_t, s, inv, s_t, inv_t, m, k, s_m, s_k, t_k, t_m, SQUARE=square, SCALE_GIVEN=scale is not None,
+        WRITE=rowmajor, WRITE_T=transposed, DTYPE=_TRITON_DTYPES[float8_dtype], FMAX=torch.finfo(float8_dtype).max,
+        POW2=pow2, EXACT=x.is_cuda, B=b, num_warps=8,
+    )
+    return out
+
+
+# The kernels as one op that torch.compile keeps whole: traced, a cast of 128-value tiles becomes
+# inductor's own tile reductions, which read a transposed layout far slower than this one read
+# writing both (docs/benchmarks.md, "Blockwise float8 in the trainer"). Its fake allocates the outputs.
+_cast_blocks_op = torch.library.custom_op("float8_training::cast_blocks", _cast_blocks, mutates_args=())
+
+
+@_cast_blocks_op.register_fake
+def _(x, scale, block, float8_dtype, pow2, rowmajor, transposed):
+    return _outputs(x, block, float8_dtype, scale is not None, rowmajor, transposed)
 
 
 def cast_blockwise_layouts(
@@ -89,34 +151,13 @@ def cast_blockwise_layouts(
 ) -> tuple[torch.Tensor | None, ...]:
     """x cast per tile of `block` row-major and/or (summing over x's dim 0) transposed: (data,
     data_t, scales, inverses, scales of data_t, their inverses), None for a layout not asked for.
-    `scale`: B x B blocks' known scales (M / B, K / B), any strides; then only the data come back."""
+    `scale`: B x B blocks' known scales (M / B, K / B), any strides; then only the data come back.
+    One op, in eager and inside torch.compile alike."""
     m, k = _check_2d(x)
     if not kernel_block(block):
         raise ValueError(f"the block cast kernels take 1 x B or B x B tiles, B a power of two >= 16, got {block}")
     b, square = block[1], block[0] == block[1]
     if scale is not None and not square:
         raise ValueError("known scales are for B x B blocks only")
-    mb, kb = -(-m // b), -(-k // b)
-    data = torch.empty(m, k, dtype=float8_dtype, device=x.device) if rowmajor else None
-    data_t = torch.empty(k, m, dtype=float8_dtype, device=x.device) if transposed else None
-    if scale is not None:
-        scales = (scale, None, None, None)
-    elif square:
-        scales = (*(_padded_rows(mb, kb, x.device) for _ in range(2)), *(_padded_rows(kb, mb, x.device) for _ in range(2)))
-    else:
-        scales = (*(_column_first(m, kb, x.device) for _ in range(2)), *(_column_first(k, mb, x.device) for _ in range(2)))
-    if not rowmajor and scale is None:
-        scales = (None, None, *scales[2:])
-    if not transposed:
-        scales = (*scales[:2], None, None)
-    s_m, s_k = scales[0].stride() if scales[0] is not None else (0, 0)
-    t_k, t_m = scales[2].stride() if scales[2] is not None else (0, 0)
-    if x.numel():
-        _blocks_kernel[(mb, kb)](
-            x, data, data_t, *scales, m, k, s_m, s_k, t_k, t_m, SQUARE=square, SCALE_GIVEN=scale is not None,
-            WRITE=rowmajor, WRITE_T=transposed, DTYPE=_TRITON_DTYPES[float8_dtype], FMAX=torch.finfo(float8_dtype).max,
-            POW2=pow2, EXACT=x.is_cuda, B=b, num_warps=8,
-        )
-    if scale is not None:
-        return data, data_t, None, None, None, None
-    return data, data_t, *scales
+    out = _cast_blocks_op(x, scale, list(block), float8_dtype, pow2, rowmajor, transposed)
+    return tuple(_views(_layouts(out, scale is not None, rowmajor, transposed), m, k, b, square))

@@ -2,7 +2,7 @@
 `aten._scaled_mm_v2` against the emulated one (the same float8 values and scales, dequantized and
 multiplied in fp32) at LLaMA-2-7B shapes, K = 11008 (86 blocks: the weight scales' padding) and
 a token count that is not a multiple of 4 included; the Triton block casts bitwise the reference
-casts; and the blockwise linear's SQNR against fp32, eager and compiled. Skipped without CUDA;
+casts; the blockwise linear's SQNR against fp32, eager and compiled, and compiled bitwise eager. Skipped without CUDA;
 tests/float8/test_blockwise.py and tests/float8/test_kernels_blocks.py are the CPU side."""
 
 from __future__ import annotations
@@ -92,3 +92,20 @@ def test_blockwise_linear_sqnr_on_cuda(compiled):
         results.append((out.float(), xi.grad.float(), module.weight.grad.float()))
     dbs = [sqnr(e, a) for e, a in zip(*results)]
     assert dbs[0] >= 28 and dbs[1] >= 25 and dbs[2] >= 25, dbs
+
+
+def test_compiled_blockwise_linear_is_the_eager_one_bitwise():
+    # Compiled, the block casts are the kernels' op (float8/operands.py, "graph"), the GEMMs cuBLAS's: as in eager.
+    torch.manual_seed(0)
+    ref = nn.Linear(4096, 11008, bias=False, device=CUDA, dtype=torch.bfloat16)
+    x, g = torch.randn(4094, 4096, device=CUDA, dtype=torch.bfloat16), torch.randn(4094, 11008, device=CUDA, dtype=torch.bfloat16)
+    results = []
+    for compiled in (False, True):
+        f8 = Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling="blockwise"))
+        module = torch.compile(f8, fullgraph=True) if compiled else f8
+        xi = x.clone().requires_grad_()
+        out = module(xi)
+        out.backward(g)
+        results.append((out, xi.grad, f8.weight.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)

@@ -125,7 +125,8 @@ class Float8TrainingConfig:
     eager_casts: Float8EagerCasts = _opt(
         "auto", "How float8 casts run outside torch.compile: triton (one kernel per cast; CUDA), compiled "
                 "(torch.compile'd casts), plain (eager ops), or auto (triton on CUDA where Triton imports, else "
-                "compiled on CUDA, plain on CPU). docs/float8/library.md, 'Global settings'."
+                "compiled on CUDA, plain on CPU). Inside torch.compile, blockwise's casts also take the Triton kernels "
+                "where this resolves to triton; other casts are traced. docs/float8/library.md, 'Global settings'."
     )
     impl: Float8Impl = _opt(
         "ours",
