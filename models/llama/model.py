@@ -47,10 +47,14 @@ def apply_rotary_emb(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
     x: (B, S, H, head_dim). rope: (S, head_dim) or (B, S, head_dim) rows of the rope table.
     """
+    # Pointwise, with the pair swap a flip: out[2i] = x[2i] cos - x[2i+1] sin, out[2i+1] = x[2i+1] cos
+    # + x[2i] sin, the same bits as the pairwise formula; its backward is pointwise too, where a
+    # stack/unbind's backward made inductor's kernel load every element twice, masked.
     cos, sin = rope.unsqueeze(-2).float().chunk(2, dim=-1)
-    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    cos, sin = torch.stack([cos, cos], dim=-1).flatten(-2), torch.stack([-sin, sin], dim=-1).flatten(-2)
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (xf * cos + swapped * sin).type_as(x)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -98,6 +98,28 @@ def test_rope_matches_meta_complex_reference() -> None:
     )
 
 
+def _pairwise_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """The rotation pair by pair: (x0 cos - x1 sin, x0 sin + x1 cos)."""
+    cos, sin = rope.unsqueeze(-2).float().chunk(2, dim=-1)
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_rope_is_the_pairwise_formula_bitwise(dtype) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(2, 24, 3, 16) * 10).to(dtype)
+    g = torch.randn(2, 24, 3, 16).to(dtype)
+    rope = precompute_rope(16, 64, 10000.0)[torch.randint(0, 64, (2, 24))]
+    results = []
+    for rotate in (_pairwise_rope, apply_rotary_emb):
+        xi = x.clone().requires_grad_()
+        out = rotate(xi, rope)
+        out.backward(g)
+        results.append((out, xi.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_rope_preserves_bf16() -> None:
     x = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
     assert apply_rotary_emb(x, precompute_rope(8, 4, 10000.0)).dtype == torch.bfloat16
