@@ -1,7 +1,7 @@
 """Check float8 training numerics on this machine's GPU (or CPU) against an fp32 reference.
 
     python scripts/check_float8.py [--device cuda] [--tokens 4096]
-    python scripts/check_float8.py --model-gemms [--layers 2] [--batch 2] [--seq 4096] [--out sqnr.json]
+    python scripts/check_float8.py --model-gemms [--layers 2] [--batch 2] [--seq 4096] [--checkpoint DIR] [--out sqnr.json]
 
 For each scaling recipe and each way of running it (eager; eager with unfused casts;
 compiled with the aot_eager and inductor backends) prints the SQNR in dB of the
@@ -10,7 +10,7 @@ an fp32 nn.Linear, and exits 1 if any falls below the thresholds (output >= 25 d
 gradients >= 20 dB; a run on an H200: docs/benchmarks.md, "Float8 numerics on the GPU"). Use it after upgrading torch or drivers.
 
 With --model-gemms: the SQNR of each GEMM of every linear of a LLaMA-2 (--flavor, --layers) on
-operands captured from one real bf16 step, per recipe, and exit 1 where blockwise is not at least
+operands captured from one real bf16 step (fresh weights, or a trained checkpoint's), per recipe, and exit 1 where blockwise is not at least
 4 dB above tensorwise in a backward GEMM (scripts/harness/float8_bench/model_sqnr.py). Needs a GPU
 with block-scaled float8 GEMMs (sm_90) for the real GEMMs; `--device cpu --flavor debug` emulates them.
 """
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--recipes", default="tensorwise,rowwise,blockwise", type=lambda s: s.split(","))
     model.add_argument("--corpus", default="data/corpus")
     model.add_argument("--tokenizer", default="data/tokenizer.model")
+    model.add_argument("--checkpoint", help="the model's weights from this DCP checkpoint (a training step's folder or "
+                                            "a model-only one) instead of a fresh init; --flavor, --layers and the "
+                                            "tokenizer's vocabulary must match it")
     model.add_argument("--out", help="write the table as JSON here")
     opts = parser.parse_args(argv)
     device = torch.device(opts.device)

@@ -1,7 +1,8 @@
 """Per-GEMM SQNR of the float8 recipes against fp32 on a model's layer shapes, with operands from a real step.
 
-One bf16 forward + backward of a freshly initialised LLaMA-2 (the given number of layers) on
-tokens of the shipped corpus captures every linear's input x, weight w and output gradient g.
+One bf16 forward + backward of a LLaMA-2 (the given number of layers), freshly initialised or
+with a checkpoint's weights (a trained model's activations have the outliers per-tile scales are
+for), on tokens of a corpus captures every linear's input x, weight w and output gradient g.
 Each linear is then run again as a Float8Linear of each recipe on exactly those x, w and g, and
 each of its three GEMMs' results (out = x w^T, grad_x = g w, grad_w = g^T x) is compared with the
 same GEMM in fp32. Issue #40's bar: blockwise at least 4 dB above tensorwise in both backward
@@ -20,6 +21,7 @@ from torch import nn
 from float8 import Float8Config, Float8Linear
 from models.llama import LLAMA2_FLAVORS
 from models.llama.model import initialized_model
+from trainer.checkpoint.dcp_reader import load_dcp_model
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
 
@@ -88,7 +90,10 @@ def sqnr_table(opts) -> dict[str, dict[str, list[float]]]:
     tokenizer = Tokenizer(opts.tokenizer)
     args = dataclasses.replace(LLAMA2_FLAVORS[opts.flavor], n_layers=opts.layers, vocab_size=tokenizer.n_words,
                                max_seq_len=opts.seq + 1)
-    model = initialized_model(args, seed=42, device=device).to(torch.bfloat16)
+    model = initialized_model(args, seed=42, device=device)
+    if opts.checkpoint:
+        load_dcp_model(model, opts.checkpoint, "--checkpoint")
+    model = model.to(torch.bfloat16)
     tokens = corpus_tokens(Path(opts.corpus), tokenizer, opts.batch * (opts.seq + 1)).view(opts.batch, -1).to(device)
     operands = capture(model, tokens)
     del model
