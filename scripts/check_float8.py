@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--recipes", default="tensorwise,rowwise,blockwise", type=lambda s: s.split(","))
     model.add_argument("--corpus", default="data/corpus")
     model.add_argument("--tokenizer", default="data/tokenizer.model")
-    model.add_argument("--checkpoint", help="the model's weights from this DCP checkpoint (a training step's folder or "
-                                            "a model-only one) instead of a fresh init; --flavor, --layers and the "
-                                            "tokenizer's vocabulary must match it")
+    model.add_argument("--checkpoint", help="the model's weights instead of a fresh init: a DCP folder (a training "
+                                            "step's or a model-only one) or a model file (checkpoint.export_final's "
+                                            "model.safetensors); --flavor, --layers and the tokenizer must match it")
     model.add_argument("--out", help="write the table as JSON here")
     opts = parser.parse_args(argv)
     device = torch.device(opts.device)

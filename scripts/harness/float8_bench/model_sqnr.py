@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from float8 import Float8Config, Float8Linear
-from models.llama import LLAMA2_FLAVORS
+from models.llama import LLAMA2_FLAVORS, LlamaArgs
 from models.llama.model import initialized_model
+from models.llama.weight_conversion import WeightsError
+from models.llama.weight_files import read_weights
 from trainer.checkpoint.dcp_reader import load_dcp_model
 from trainer.data.tokenizer import Tokenizer
 from trainer.errors import UserError
@@ -45,6 +47,19 @@ def corpus_tokens(path: Path, tokenizer: Tokenizer, count: int) -> torch.Tensor:
             if len(ids) >= count:
                 return torch.tensor(ids[:count])
     raise UserError(f"{path} holds fewer than {count} tokens")
+
+
+def load_weights(model: nn.Module, args: LlamaArgs, path: Path) -> None:
+    """`path`'s weights into `model`: a DCP folder (a training step's or a model-only one) or a model
+    file in our names (`checkpoint.export_final`'s model.safetensors, a torch state dict)."""
+    if path.is_dir():
+        load_dcp_model(model, path, "--checkpoint")
+        return
+    try:
+        _, state_dict = read_weights("torch", path, args)
+    except (WeightsError, OSError) as e:
+        raise UserError(f"--checkpoint: {e}") from None
+    model.load_state_dict(state_dict)
 
 
 def capture(model: nn.Module, tokens: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -92,7 +107,7 @@ def sqnr_table(opts) -> dict[str, dict[str, list[float]]]:
                                max_seq_len=opts.seq + 1)
     model = initialized_model(args, seed=42, device=device)
     if opts.checkpoint:
-        load_dcp_model(model, opts.checkpoint, "--checkpoint")
+        load_weights(model, args, Path(opts.checkpoint))
     model = model.to(torch.bfloat16)
     tokens = corpus_tokens(Path(opts.corpus), tokenizer, opts.batch * (opts.seq + 1)).view(opts.batch, -1).to(device)
     operands = capture(model, tokens)
