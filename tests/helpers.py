@@ -250,3 +250,13 @@ def sqnr(ref, actual) -> float:
     """Signal to quantization-noise ratio of `actual` against `ref`, in dB (float64)."""
     ref, actual = ref.double(), actual.double()
     return (20 * (ref.norm() / (ref - actual).norm()).log10()).item()
+
+
+def linear_step(module, x: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype | None = None):
+    """One forward and backward of `module` on a fresh leaf copy of `x` (in `dtype` if given), `grad`
+    as the output's gradient: (output, x's gradient, the module's weight gradient or None)."""
+    x = x.detach().to(dtype or x.dtype).clone().requires_grad_()
+    out = module(x)
+    out.backward(grad.to(out.dtype))
+    weight = getattr(module, "weight", None)
+    return out.detach(), x.grad, None if weight is None else weight.grad

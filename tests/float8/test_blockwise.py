@@ -18,7 +18,7 @@ from float8.convert import TensorParallelAlignment
 from float8.fsdp_blocks import block_shard_dim
 from float8.recipe import RECIPES, Cast, Float8Recipe, Gemm
 from float8.scaling import E4M3
-from tests.helpers import sqnr
+from tests.helpers import linear_step, sqnr
 
 B = 128
 
@@ -27,13 +27,6 @@ def _linear(in_f: int, out_f: int, dtype: torch.dtype = torch.float32, **cfg) ->
     torch.manual_seed(0)
     ref = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
     return ref, Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling="blockwise", **cfg))
-
-
-def _run(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    x = x.detach().clone().requires_grad_()
-    out = module(x)
-    out.backward(g.to(out.dtype))
-    return out.detach(), x.grad, getattr(module, "weight", x).grad
 
 
 def _inputs(tokens: int = 192, in_f: int = 256, out_f: int = 384, dtype: torch.dtype = torch.float32):
@@ -49,7 +42,7 @@ def test_blockwise_linear_sqnr_against_fp32():
     # issue #40's bar: output >= 28 dB, grad_input and grad_weight >= 25 dB.
     ref, f8 = _linear(256, 384)
     x, g = _inputs()
-    want, got = _run(ref, x, g), _run(f8, x, g)
+    want, got = linear_step(ref, x, g), linear_step(f8, x, g)
     assert [round(sqnr(w, o), 1) >= bar for w, o, bar in zip(want, got, (28, 25, 25))] == [True] * 3, \
         [sqnr(w, o) for w, o in zip(want, got)]
 
@@ -88,7 +81,7 @@ def test_table_driven_linear_is_the_tile_by_tile_recipe_bitwise(dtype):
     # 200 tokens: partial 1x128 tiles along tokens in grad_weight; 384 x 256 weight: 3 x 2 blocks.
     ref, f8 = _linear(256, 384, dtype)
     x, g = _inputs(200, dtype=dtype)
-    got = _run(f8, x, g)
+    got = linear_step(f8, x, g)
     for name, a, e in zip(("out", "grad_x", "grad_w"), got, _reference(x, ref.weight.detach(), g)):
         assert a.dtype == e.dtype and torch.equal(a, e), name
 
@@ -104,7 +97,7 @@ def test_all_zero_tiles_and_blocks_stay_finite():
     _, f8 = _linear(256, 128)
     with torch.no_grad():
         f8.weight[:, :B] = 0
-    out, gx, gw = _run(f8, x, torch.zeros(4, 128))
+    out, gx, gw = linear_step(f8, x, torch.zeros(4, 128))
     assert all(torch.isfinite(t).all() for t in (out, gx, gw))
 
 
@@ -197,7 +190,7 @@ def test_traced_fullgraph_is_eager_bitwise():
     # frame (tests/trainer/distributed/test_parallel_2d.py: compiled per block).
     compiled.compile(fullgraph=True, backend="aot_eager", dynamic=False)
     x, g = torch.randn(2, 96, 128), torch.randn(2, 96, 128)
-    for a, b in zip(_run(model, x, g), _run(compiled, x, g)):
+    for a, b in zip(linear_step(model, x, g)[:2], linear_step(compiled, x, g)[:2]):
         assert torch.equal(a, b)
     for p_e, p_c in zip(model.parameters(), compiled.parameters()):
         assert torch.equal(p_e.grad, p_c.grad)

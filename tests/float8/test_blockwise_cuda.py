@@ -17,7 +17,7 @@ from float8 import Float8Config, Float8Linear
 from float8.blocks import cast_blockwise, cast_blockwise_t
 from float8.gemm import blockwise_gemm_supported, blockwise_mm
 from float8.operands import eager_backend
-from tests.helpers import sqnr
+from tests.helpers import linear_step, sqnr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,13 +84,8 @@ def test_blockwise_linear_sqnr_on_cuda(compiled):
     if compiled:
         f8.compile(fullgraph=True)
     x, g = torch.randn(4094, 4096, device=CUDA), torch.randn(4094, 11008, device=CUDA)
-    results = []
-    for module, dtype in ((ref, torch.float32), (f8, torch.bfloat16)):
-        xi = x.detach().to(dtype).requires_grad_()
-        out = module(xi)
-        out.backward(g.to(out.dtype))
-        results.append((out.float(), xi.grad.float(), module.weight.grad.float()))
-    dbs = [sqnr(e, a) for e, a in zip(*results)]
+    exact, got = (linear_step(module, x, g, dtype) for module, dtype in ((ref, torch.float32), (f8, torch.bfloat16)))
+    dbs = [sqnr(e.float(), a.float()) for e, a in zip(exact, got)]
     assert dbs[0] >= 28 and dbs[1] >= 25 and dbs[2] >= 25, dbs
 
 
@@ -99,13 +94,8 @@ def test_compiled_blockwise_linear_is_the_eager_one_bitwise():
     torch.manual_seed(0)
     ref = nn.Linear(4096, 11008, bias=False, device=CUDA, dtype=torch.bfloat16)
     x, g = torch.randn(4094, 4096, device=CUDA, dtype=torch.bfloat16), torch.randn(4094, 11008, device=CUDA, dtype=torch.bfloat16)
-    results = []
-    for compiled in (False, True):
-        f8 = Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling="blockwise"))
-        module = torch.compile(f8, fullgraph=True) if compiled else f8
-        xi = x.clone().requires_grad_()
-        out = module(xi)
-        out.backward(g)
-        results.append((out, xi.grad, f8.weight.grad))
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+    eager, compiled = (
+        linear_step(wrap(Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling="blockwise"))), x, g)
+        for wrap in (lambda m: m, lambda m: torch.compile(m, fullgraph=True))  # the compiled module's weight is m's
+    )
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))

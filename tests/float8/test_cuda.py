@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from float8 import Float8Config, Float8Linear
-from tests.helpers import read_metrics, run_train, sqnr
+from tests.helpers import linear_step, read_metrics, run_train, sqnr
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,13 +30,9 @@ def test_linear_sqnr_on_gpu(scaling, compiled):
         f8.compile(fullgraph=True)
     x = torch.randn(4, 512, 1024, device="cuda")
     g = torch.randn(4, 512, 768, device="cuda")
-    results = []
-    for module, dtype in ((ref, torch.float32), (f8, torch.bfloat16)):
-        xi = x.to(dtype).detach().requires_grad_()
-        out = module(xi)
-        out.backward(g.to(out.dtype))
-        results.append((out.float(), xi.grad.float(), module.weight.grad.float()))
-    (out_r, gx_r, gw_r), (out_f, gx_f, gw_f) = results
+    (out_r, gx_r, gw_r), (out_f, gx_f, gw_f) = (
+        (t.float() for t in linear_step(module, x, g, dtype)) for module, dtype in ((ref, torch.float32), (f8, torch.bfloat16))
+    )
     assert sqnr(out_r, out_f) >= 25
     assert sqnr(gx_r, gx_f) >= 20
     assert sqnr(gw_r, gw_f) >= (30 if scaling == "rowwise_gw_hp" else 20)

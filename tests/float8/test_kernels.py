@@ -24,7 +24,7 @@ from float8.scaling import (
     cast_tensorwise,
     cast_with_scale,
 )
-from tests.helpers import ROOT
+from tests.helpers import ROOT, cpu_float8_emulated, linear_step
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the kernels in Triton's interpreter (tests/conftest.py sets it without a GPU)", allow_module_level=True)
@@ -179,22 +179,16 @@ def triton_casts():
 def test_float8_linear_with_kernels_is_the_plain_linear(triton_casts, scaling):
     """Every operand's layout, scale and inverse wired as the plain casts wire them: out,
     grad_x and grad_w bitwise equal."""
-    from tests.helpers import cpu_float8_emulated
-
     emulate = cpu_float8_emulated(scaling)
     ref = nn.Linear(96, 80, bias=False)
     with torch.no_grad():
         ref.weight.copy_(_exact_values((80, 96)))
     x, g = _exact_values((48, 96)), _exact_values((48, 80))
-    results = []
-    for eager_casts in ("plain", "triton"):
-        f8 = Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling=scaling, emulate=emulate, eager_casts=eager_casts))
-        xi = x.clone().requires_grad_()
-        out = f8(xi)
-        out.backward(g)
-        results.append((out, xi.grad, f8.weight.grad))
-    for plain, with_kernels in zip(*results):
-        assert torch.equal(plain, with_kernels)
+    plain, with_kernels = (
+        linear_step(Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling=scaling, emulate=emulate, eager_casts=c)), x, g)
+        for c in ("plain", "triton")
+    )
+    assert all(torch.equal(a, b) for a, b in zip(plain, with_kernels))
 
 
 def test_fsdp_weight_cast_uses_the_kernel(triton_casts, monkeypatch):

@@ -26,6 +26,7 @@ pytest.importorskip("triton")
 
 from float8.kernels.blocks import cast_blockwise_layouts  # noqa: E402
 from tests.float8.test_kernels import _exact_values, rounding  # noqa: E402
+from tests.helpers import linear_step  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 B = 128
@@ -109,17 +110,12 @@ def test_float8_linear_with_block_kernels_is_the_plain_linear(triton_casts):
     results, codes = [], []
     for eager_casts, compiled in (("plain", False), ("triton", False), ("triton", True)):
         f8 = Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling="blockwise", eager_casts=eager_casts))
-        xi = x.clone().requires_grad_()
-        module = torch.compile(f8, fullgraph=True) if compiled else f8
-
-        def step(module=module, xi=xi):
-            out = module(xi)
-            out.backward(g)
-            return out
-
-        out, code = run_and_get_code(step) if compiled else (step(), [])
-        codes += code
-        results.append((out, xi.grad, f8.weight.grad))
+        if compiled:
+            result, code = run_and_get_code(linear_step, torch.compile(f8, fullgraph=True), x, g)
+            codes += code
+        else:
+            result = linear_step(f8, x, g)
+        results.append(result)
     for plain, *with_kernels in zip(*results):
         assert all(torch.equal(plain, t) for t in with_kernels)
     # forward: x (both layouts) and w; backward: g (both layouts) and w recast with its scales.

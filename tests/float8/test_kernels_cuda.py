@@ -21,6 +21,7 @@ from float8.scaling import (
     cast_tensorwise,
     cast_with_scale,
 )
+from tests.helpers import linear_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,13 +102,10 @@ def test_linear_with_kernels_is_bitwise_the_plain_and_compiled_casts(scaling):
     ref = nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2, 2048, 4096, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(2, 2048, 1024, device="cuda", dtype=torch.bfloat16)
-    results = {}
-    for eager_casts in ("plain", "compiled", "triton"):
-        f8 = Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling=scaling, eager_casts=eager_casts))
-        xi = x.clone().requires_grad_()
-        out = f8(xi)
-        out.backward(g)
-        results[eager_casts] = (out, xi.grad, f8.weight.grad)
+    results = {
+        c: linear_step(Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling=scaling, eager_casts=c)), x, g)
+        for c in ("plain", "compiled", "triton")
+    }
     for got, want in zip(results["triton"], results["plain"]):
         assert torch.equal(got, want)
     # Inductor's division rounds a scale 1 ulp off torch's now and then (measured on an H200,

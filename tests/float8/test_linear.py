@@ -11,18 +11,11 @@ from torch import nn
 from float8 import Float8Config, Float8Linear, convert_to_float8_training
 from float8.fsdp import Float8GatheredWeight
 from float8.scaling import E4M3, E5M2, cast_rowwise, cast_tensorwise, from_float8
-from tests.helpers import cpu_float8_emulated, sqnr
+from tests.helpers import cpu_float8_emulated, linear_step, sqnr
 
 SCALINGS = ["tensorwise", "rowwise", "rowwise_gw_hp"]
 # blockwise needs 128-aligned features (its compiled and recipe tests: tests/float8/test_blockwise.py).
 WITH_BLOCKWISE = [*SCALINGS, "blockwise"]
-
-
-def run(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
-    x = x.detach().clone().requires_grad_()
-    out = module(x)
-    out.backward(grad.to(out.dtype))
-    return out, x.grad, getattr(module, "weight", x).grad
 
 
 def pair(in_f=256, out_f=128, bias=False, dtype=torch.float32, **cfg):
@@ -38,8 +31,8 @@ def pair(in_f=256, out_f=128, bias=False, dtype=torch.float32, **cfg):
 def test_sqnr_against_fp32(scaling):
     ref, f8 = pair(scaling=scaling)
     x, g = torch.randn(4, 48, 256), torch.randn(4, 48, 128)
-    out_r, gx_r, gw_r = run(ref, x, g)
-    out_f, gx_f, gw_f = run(f8, x, g)
+    out_r, gx_r, gw_r = linear_step(ref, x, g)
+    out_f, gx_f, gw_f = linear_step(f8, x, g)
     assert sqnr(out_r, out_f) >= 25
     assert sqnr(gx_r, gx_f) >= 20
     assert sqnr(gw_r, gw_f) >= (35 if scaling == "rowwise_gw_hp" else 20)
@@ -69,7 +62,7 @@ def test_emulate_matches_scaled_mm(scaling):
     _, f8 = pair(scaling=scaling)
     _, emu = pair(scaling=scaling, emulate=True)
     x, g = torch.randn(40, 256), torch.randn(40, 128)
-    for a, b in zip(run(f8, x, g), run(emu, x, g)):
+    for a, b in zip(linear_step(f8, x, g), linear_step(emu, x, g)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -81,8 +74,8 @@ def test_dtypes_bias_and_3d(dtype, scaling):
     ref, f8 = pair(bias=True, scaling=scaling)
     f8.to(dtype)
     x, g = torch.randn(2, 24, 256), torch.randn(2, 24, 128)
-    out_r, gx_r, gw_r = run(ref, x, g)
-    out_f, gx_f, gw_f = run(f8, x.to(dtype), g)
+    out_r, gx_r, gw_r = linear_step(ref, x, g)
+    out_f, gx_f, gw_f = linear_step(f8, x.to(dtype), g)
     assert out_f.shape == (2, 24, 128) and out_f.dtype == dtype
     assert gx_f.dtype == dtype and gw_f.dtype == dtype and f8.bias.grad.dtype == dtype
     assert sqnr(out_r, out_f) >= 25
@@ -132,7 +125,7 @@ def test_padded_token_dim():
     # 37 tokens: the weight-gradient GEMM pads its contraction dim to a multiple of 16.
     ref, f8 = pair()
     x, g = torch.randn(37, 256), torch.randn(37, 128)
-    assert sqnr(run(ref, x, g)[2], run(f8, x, g)[2]) >= 20
+    assert sqnr(linear_step(ref, x, g)[2], linear_step(f8, x, g)[2]) >= 20
 
 
 @pytest.mark.version_specific
@@ -140,11 +133,11 @@ def test_gathered_weight_matches_cast_path():
     # What FSDP's float8 all-gather hands the module: float8 data plus its scale.
     _, f8 = pair()
     x, g = torch.randn(32, 256), torch.randn(32, 128)
-    expected = run(f8, x, g)
+    expected = linear_step(f8, x, g)
     data, scale = cast_tensorwise(f8.weight.detach(), E4M3)
     gathered = copy.deepcopy(f8)
     gathered.weight = nn.Parameter(Float8GatheredWeight(data, scale, torch.float32))
-    out, gx, gw = run(gathered, x, g)
+    out, gx, gw = linear_step(gathered, x, g)
     torch.testing.assert_close(out, expected[0])
     torch.testing.assert_close(gx, expected[1])
     torch.testing.assert_close(gw, expected[2])
@@ -260,7 +253,7 @@ def test_fsdp_all_gather_weight_trains_like_a_plain_weight():
     _, plain = pair()
     _, wrapped = pair(fsdp_float8_all_gather=True)
     x, g = torch.randn(32, 256), torch.randn(32, 128)
-    for a, b in zip(run(plain, x, g), run(wrapped, x, g)):
+    for a, b in zip(linear_step(plain, x, g), linear_step(wrapped, x, g)):
         torch.testing.assert_close(a, b)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=0.1)
     before = wrapped.weight.detach().clone()
@@ -298,8 +291,8 @@ def test_compiled_matches_eager_fullgraph(scaling):
     x, g = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
     for m in (model, compiled):
         m.zero_grad()
-    out_e, gx_e, _ = run(model, x, g)
-    out_c, gx_c, _ = run(compiled, x, g)
+    out_e, gx_e, _ = linear_step(model, x, g)
+    out_c, gx_c, _ = linear_step(compiled, x, g)
     if cpu_float8_emulated(scaling) or scaling != "tensorwise":
         # Row-wise GEMMs on CPU (emulated on torch 2.11, ATen's fp32 formula on 2.13: see
         # float8/gemm.py `scaled_mm_cpu`) scale fp32 operands that inductor fuses with the
@@ -322,7 +315,7 @@ def test_self_compiled_casts_in_eager_match(scaling):
     x, g = torch.randn(48, 64), torch.randn(48, 32)
     torch._dynamo.reset()
     limit = torch._dynamo.config.recompile_limit
-    for a, b in zip(run(fused, x, g), run(plain, x, g)):
+    for a, b in zip(linear_step(fused, x, g), linear_step(plain, x, g)):
         torch.testing.assert_close(a, b)
     # The casts compiled as they ran, and left torch's global settings alone.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0

@@ -14,7 +14,7 @@ from torch import nn
 from float8 import Float8Config, Float8Linear
 from float8.fsdp import Float8GatheredWeight
 from float8.recipe import HIGH_PRECISION, RECIPES, Cast, Float8Recipe, Gemm
-from tests.helpers import cpu_float8_emulated
+from tests.helpers import cpu_float8_emulated, linear_step
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALINGS = ["tensorwise", "rowwise", "rowwise_gw_hp"]
@@ -90,13 +90,6 @@ def _linear(w: torch.Tensor, config: Float8Config) -> Float8Linear:
     return Float8Linear.from_float(linear, config)
 
 
-def _run(f8: Float8Linear, x: torch.Tensor, g: torch.Tensor):
-    x = x.clone().requires_grad_()
-    out = f8(x)
-    out.backward(g)
-    return out.detach(), x.grad, f8.weight.grad
-
-
 def _emulations(scaling: str) -> list[bool]:
     return [True] if cpu_float8_emulated(scaling) else [True, False]
 
@@ -113,7 +106,7 @@ def _assert_bitwise(actual, expected) -> None:
 def test_table_driven_linear_matches_the_explicit_recipe_bitwise(scaling, dtype):
     x, w, g = _inputs(dtype)
     for emulate in _emulations(scaling):
-        got = _run(_linear(w, Float8Config(scaling=scaling, emulate=emulate)), x, g)
+        got = linear_step(_linear(w, Float8Config(scaling=scaling, emulate=emulate)), x, g)
         want = reference(scaling, x.reshape(-1, 64), w, g.reshape(-1, 48), emulate)
         _assert_bitwise((got[0].reshape(-1, 48), got[1].reshape(-1, 64), got[2]), want)
 
@@ -126,7 +119,7 @@ def test_gathered_float8_weight_matches_the_explicit_recipe_bitwise():
     for emulate in _emulations("tensorwise"):
         f8 = _linear(w, Float8Config(emulate=emulate))
         f8.weight = nn.Parameter(Float8GatheredWeight(*w_cast, torch.float32))
-        _assert_bitwise(_run(f8, x, g), reference("tensorwise", x, w, g, emulate, w_cast=w_cast))
+        _assert_bitwise(linear_step(f8, x, g), reference("tensorwise", x, w, g, emulate, w_cast=w_cast))
 
 
 def _torchao_rowwise_with_gw_hp() -> Float8Recipe:
@@ -144,7 +137,7 @@ def test_a_new_recipe_is_an_object_passed_in_the_config():
     x, g = x.reshape(-1, 64), g.reshape(-1, 48)
     ours = reference("rowwise_gw_hp", x, w, g, emulate=True)
     for emulate in _emulations("rowwise"):
-        got = _run(_linear(w, Float8Config(scaling=_torchao_rowwise_with_gw_hp(), emulate=emulate)), x, g)
+        got = linear_step(_linear(w, Float8Config(scaling=_torchao_rowwise_with_gw_hp(), emulate=emulate)), x, g)
         # Only grad_x's weight cast differs from rowwise_gw_hp: one power-of-two scale per tensor.
         wf, ws = _cast(w, E4M3, pow2=True)
         gf, gs = _cast(g, E4M3, -1, pow2=True)
