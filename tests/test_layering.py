@@ -27,7 +27,7 @@ RANKS = {
     "trainer.errors": 3, "trainer.log": 3, "trainer.records": 3, "trainer.threads": 3,
     # The float8 seam's config rules: read by trainer.config's checks, importing nothing of the project.
     "trainer.float8_seam.options": 3,
-    "trainer.config": 4, "trainer.precision": 4,
+    "trainer.config": 4, "trainer.precision": 4, "trainer.adamw_triton": 4,
     "trainer.data": 5, "trainer.distributed": 5, "trainer.metrics": 5, "trainer.optim": 5,
     "trainer.model_setup": 5, "trainer.run_facts": 5, "trainer.train_state": 5,
     "trainer.loss": 6, "trainer.checkpoint": 6, "trainer.float8_seam": 6,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import torch
 from torch import nn
 
 from trainer.config import LRSchedulerConfig, OptimizerConfig
+from trainer.errors import UserError
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -20,10 +23,22 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # Fused (CUDA and CPU kernels) also takes the clip and the non-finite guard (trainer/step.py).
+    # Fused (CUDA and CPU kernels) and triton also take the clip and the non-finite guard (trainer/step.py).
     impl = "fused" if cfg.implementation == "auto" else cfg.implementation
+    if impl == "triton":
+        return _triton_adamw(groups, decay + no_decay, cfg)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def _triton_adamw(groups: list[dict], params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    device = params[0].device.type if params else "cpu"
+    if importlib.util.find_spec("triton") is None or (device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise UserError(f"optimizer.implementation = 'triton' needs Triton (torch's CUDA builds) and a CUDA device, got {device}"
+                        + ("" if importlib.util.find_spec("triton") else " and no Triton"))
+    from trainer.adamw_triton import TritonAdamW
+
+    return TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:

@@ -128,7 +128,8 @@ def _global_grad_norm(model: nn.Module) -> torch.Tensor:
 
 
 def _skips_itself(optimizer: torch.optim.Optimizer) -> bool:
-    """Torch's fused Adam(W) takes `grad_scale` and `found_inf` from the optimizer's attributes."""
+    """Torch's fused Adam(W) takes `grad_scale` and `found_inf` from the optimizer's attributes (and
+    trainer/adamw_triton.py's, built as a fused one)."""
     return bool(optimizer.defaults.get("fused"))
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from trainer.config import LRSchedulerConfig, OptimizerConfig
+from trainer.errors import UserError
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier
 
 
@@ -62,3 +63,9 @@ def test_auto_is_the_fused_adamw_that_takes_the_guard(implementation, fused, for
     # trainer/step.py keeps the clip and non-finite guard on the device only with fused=True.
     opt = build_optimizer(nn.Linear(4, 4), OptimizerConfig(implementation=implementation))
     assert opt.defaults.get("fused") == fused and opt.defaults.get("foreach") == foreach
+
+
+def test_triton_adamw_without_a_gpu_is_one_line(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UserError, match=r"^optimizer.implementation = 'triton' needs Triton \(torch's CUDA builds\) and a CUDA device, got cpu"):
+        build_optimizer(nn.Linear(4, 4), OptimizerConfig(implementation="triton"))

@@ -33,7 +33,7 @@ BadRows = Literal["error", "skip"]
 SFTFormat = Literal["auto", "alpaca", "chat"]
 TrainOn = Literal["responses", "all"]
 Truncation = Literal["truncate_prompt", "drop"]
-OptimizerImplementation = Literal["auto", "fused", "foreach", "for-loop"]
+OptimizerImplementation = Literal["auto", "fused", "foreach", "for-loop", "triton"]
 LRDecay = Literal["linear", "cosine", "none"]
 AsyncMode = Literal["disabled", "async"]
 InitialLoadFormat = Literal["dcp", "hf", "meta", "torch"]
@@ -254,7 +254,8 @@ class OptimizerConfig:
     weight_decay: float = _opt(0.1, "Decoupled weight decay (not applied to norms).")
     betas: list[float] = _opt([0.9, 0.95], "Adam betas.")
     eps: float = _opt(1e-8, "Adam epsilon.")
-    implementation: OptimizerImplementation = _opt("auto", "auto = fused (clip and non-finite guard inside the kernel, no sync before the update).")
+    implementation: OptimizerImplementation = _opt("auto", "auto = fused (clip and non-finite guard inside the kernel, no sync "
+                                                   "before the update). triton = the same as one Triton kernel per parameter (CUDA).")
 
 
 @_section

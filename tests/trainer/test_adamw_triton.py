@@ -1,0 +1,85 @@
+"""trainer/adamw_triton.py under the Triton interpreter on CPU tensors: torch's AdamW to fp32 rounding,
+step after step, with its weight-decay groups; the fused kernel's guard protocol (`grad_scale` divides
+the gradients, `found_inf` leaves weights, moments and step counts as they were); and the state dict
+of torch's fused AdamW, which each loads from the other."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs the kernel in Triton's interpreter (tests/conftest.py sets it without a GPU)", allow_module_level=True)
+
+pytestmark = pytest.mark.version_specific
+
+pytest.importorskip("triton")
+
+from trainer.adamw_triton import TritonAdamW  # noqa: E402
+
+SHAPES = [(300, 70), (5000,), (3,)]  # one tensor spans several programs, one ends mid-block
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+
+
+def _params(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).requires_grad_() for s in SHAPES]
+
+
+def _groups(params: list[torch.Tensor]) -> list[dict]:
+    return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+
+
+def _step(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor], **guard) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    for name, value in guard.items():
+        setattr(opt, name, value)
+    opt.step()
+    for name in guard:
+        delattr(opt, name)
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=gen) for s in SHAPES]
+
+
+def _assert_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_triton_adamw_is_torchs_adamw_with_the_fused_guard():
+    ref, tri = _params(), _params()
+    ref_opt = torch.optim.AdamW(_groups(ref), foreach=False, **HYPER)
+    tri_opt = TritonAdamW(_groups(tri), **HYPER)
+    for step in range(3):
+        grads = _grads(step)
+        # grad_scale 2 on the Triton side against halved gradients on torch's.
+        _step(ref_opt, ref, [g / 2 for g in grads])
+        _step(tri_opt, tri, grads, grad_scale=torch.tensor(2.0))
+        _assert_close(ref, tri)
+        _assert_close([ref_opt.state[p]["exp_avg_sq"] for p in ref], [tri_opt.state[p]["exp_avg_sq"] for p in tri])
+    before = [p.detach().clone() for p in tri], {k: v.clone() for k, v in tri_opt.state[tri[0]].items()}
+    _step(tri_opt, tri, _grads(3), found_inf=torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before[0], tri))
+    assert all(torch.equal(v, tri_opt.state[tri[0]][k]) for k, v in before[1].items())
+    assert float(tri_opt.state[tri[0]]["step"]) == 3
+
+
+def test_state_dict_is_torchs_fused_adamw_both_ways():
+    tri, fused = _params(), _params()
+    tri_opt, fused_opt = TritonAdamW(_groups(tri), **HYPER), torch.optim.AdamW(_groups(fused), fused=True, **HYPER)
+    _step(tri_opt, tri, _grads(0))
+    _step(fused_opt, fused, _grads(0))
+    # Swap the states and continue: each optimizer takes the other's checkpoint as its own.
+    tri_state, fused_state = tri_opt.state_dict(), fused_opt.state_dict()
+    tri_opt.load_state_dict(fused_state)
+    fused_opt.load_state_dict(tri_state)
+    for opt, params in ((tri_opt, tri), (fused_opt, fused)):
+        _step(opt, params, _grads(1))
+    _assert_close(tri, fused)
+    assert {k: v.dtype for k, v in tri_opt.state[tri[0]].items()} == {k: v.dtype for k, v in fused_opt.state[fused[0]].items()}

@@ -1,0 +1,100 @@
+"""AdamW as one Triton kernel per parameter (`optimizer.implementation = "triton"`).
+
+Torch's fused AdamW updates every parameter in launches of a fixed number of blocks, whatever
+the tensors' sizes; here each parameter gets a grid of its own size. Same update, same state
+(`step` a device tensor, `exp_avg`, `exp_avg_sq`), same checkpoint format and the same protocol
+as the fused kernel for the trainer's clip and non-finite guard (trainer/step.py): `grad_scale`
+divides the gradients, a non-zero `found_inf` leaves weights, moments and step counts unchanged,
+both read on the device, so nothing waits on the host. Results match torch's AdamW to fp32
+rounding (the bias corrections are computed in the kernel as exp2(step log2(beta))).
+
+Imported only where Triton is (torch's CUDA builds bring it); runs on CUDA tensors, and on CPU
+tensors under TRITON_INTERPRET=1 (tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch.distributed.tensor import DTensor
+
+BLOCK = 4096
+
+
+@triton.jit
+def _adamw_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, grad_scale_ptr, found_inf_ptr, n, lr, beta1, beta2, log2_beta1,
+    log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if HAS_INF:  # a non-finite step: every load and store masked off (found_inf read per lane, one address)
+        mask = mask & (tl.load(found_inf_ptr + offs * 0) == 0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g / tl.load(grad_scale_ptr)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    step = tl.load(step_ptr)
+    bias1 = 1.0 - tl.exp2(step * log2_beta1)
+    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+    p = p * (1.0 - lr * weight_decay)
+    m = m + (1.0 - beta1) * (g - m)
+    v = beta2 * v + (1.0 - beta2) * g * g
+    # torch's order: p + (-lr / bias1) * (m / denom)
+    p = p - (lr / bias1) * (m / (tl.sqrt(v) / bias2_sqrt + eps))
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (decoupled weight decay, no amsgrad) stepped by `_adamw_kernel`.
+
+    Constructed as torch's fused AdamW, so its state dict is that optimizer's, loadable by either;
+    `grad_scale` and `found_inf` are taken from the optimizer's attributes as the fused one takes them.
+    """
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.01) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("TritonAdamW.step takes no closure")
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            steps = [self.state[p]["step"] for p in params]
+            if not steps:
+                continue
+            # A skipped step (found_inf) counts nothing, as in torch's fused kernel.
+            torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - found_inf)
+            for p, step in zip(params, steps):
+                state = self.state[p]
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                if not all(t.is_contiguous() for t in tensors):
+                    raise ValueError(f"TritonAdamW needs contiguous parameters, gradients and moments, got {p.shape}")
+                n = tensors[0].numel()
+                if not n:
+                    continue
+                _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+                    *tensors, step, grad_scale, found_inf, n, group["lr"], beta1, beta2, math.log2(beta1),
+                    math.log2(beta2), group["eps"], group["weight_decay"], HAS_SCALE=grad_scale is not None,
+                    HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=8,
+                )
