@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 BLOCK = 4096
 
@@ -52,8 +53,17 @@ def _adamw_kernel(
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor whose memory holds `t`: a DTensor's local shard, a wrapper subclass's single
+    inner tensor (float8's Float8TrainingWeight, whose ops all run on it), recursively."""
+    if isinstance(t, DTensor):
+        return _memory(t._local_tensor)
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        if len(names) != 1:
+            raise ValueError(f"TritonAdamW updates plain tensors or wrappers of one, got {type(t).__name__} of {names}")
+        return _memory(getattr(t, names[0]))
+    return t
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -87,7 +97,7 @@ class TritonAdamW(torch.optim.AdamW):
             torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - found_inf)
             for p, step in zip(params, steps):
                 state = self.state[p]
-                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                tensors = [_memory(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if not all(t.is_contiguous() for t in tensors):
                     raise ValueError(f"TritonAdamW needs contiguous parameters, gradients and moments, got {p.shape}")
                 n = tensors[0].numel()

@@ -1,7 +1,8 @@
 """trainer/adamw_triton.py under the Triton interpreter on CPU tensors: torch's AdamW to fp32 rounding,
 step after step, with its weight-decay groups; the fused kernel's guard protocol (`grad_scale` divides
-the gradients, `found_inf` leaves weights, moments and step counts as they were); and the state dict
-of torch's fused AdamW, which each loads from the other."""
+the gradients, `found_inf` leaves weights, moments and step counts as they were), also on weights
+that FSDP all-gathers in float8 (a wrapper subclass); and the state dict of torch's fused AdamW,
+which each loads from the other."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.version_specific
 
 pytest.importorskip("triton")
 
+from float8.fsdp import Float8TrainingWeight  # noqa: E402
 from trainer.adamw_triton import TritonAdamW  # noqa: E402
 
 SHAPES = [(300, 70), (5000,), (3,)]  # one tensor spans several programs, one ends mid-block
@@ -52,8 +54,11 @@ def _assert_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-6, atol=1e-6)
 
 
-def test_triton_adamw_is_torchs_adamw_with_the_fused_guard():
+@pytest.mark.parametrize("float8_weights", [False, True])
+def test_triton_adamw_is_torchs_adamw_with_the_fused_guard(float8_weights):
     ref, tri = _params(), _params()
+    if float8_weights:
+        tri = [Float8TrainingWeight(p.detach()).requires_grad_() if p.ndim == 2 else p for p in tri]
     ref_opt = torch.optim.AdamW(_groups(ref), foreach=False, **HYPER)
     tri_opt = TritonAdamW(_groups(tri), **HYPER)
     for step in range(3):
