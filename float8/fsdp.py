@@ -29,6 +29,7 @@ initialisation, `to_empty` and state dicts see ordinary high-precision values.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -285,7 +286,9 @@ def plain_weight(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = False) -> None:
+def precompute_float8_scales_for_fsdp(
+    model: nn.Module, cast_weights: bool = False, amaxes: Mapping[torch.Tensor, torch.Tensor] | None = None
+) -> None:
     """Compute the float8 scales of all FSDP-sharded float8 weights with one all-reduce.
 
     Call after every `optimizer.step()` when `fsdp_float8_all_gather` is on; the next
@@ -293,7 +296,9 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
     shard is also cast to float8 with its new scale here, and every all-gather until the
     next call (forward, and backward's re-gather) hands FSDP those bytes: one cast per
     step instead of one per all-gather, for 1 byte per sharded parameter kept meanwhile.
-    The weights must not change between this call and those all-gathers.
+    The weights must not change between this call and those all-gathers. `amaxes`: the max |value|
+    of weights (shards) already known, by parameter (0-dim fp32; e.g. from the optimizer step that
+    just wrote them), which then take no amax pass of their own.
     """
     weights = [
         p for p in model.parameters()
@@ -309,10 +314,12 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
             _precompute_block_scales(mesh, shard_dim, group, cast_weights)
             continue
         shards = [w._local_tensor._tensor for w in group]
-        nonempty = [s for s in shards if s.numel()]
-        norms = iter(torch._foreach_norm(nonempty, ord=math.inf)) if nonempty else iter(())
+        known = amaxes or {}
+        unknown = [s for w, s in zip(group, shards) if s.numel() and w not in known]
+        norms = iter(torch._foreach_norm(unknown, ord=math.inf)) if unknown else iter(())
         amax = torch.stack([
-            next(norms).float() if s.numel() else torch.zeros((), device=s.device) for s in shards
+            known[w].float() if w in known else next(norms).float() if s.numel() else torch.zeros((), device=s.device)
+            for w, s in zip(group, shards)
         ])
         # The ranks that all-gather a weight together must share its scale: the FSDP shard dim, the
         # same group as the per-weight fallback in fsdp_pre_all_gather, so both give the same scales.

@@ -27,17 +27,21 @@ BLOCK = 4096
 
 @triton.jit
 def _adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, grad_scale_ptr, found_inf_ptr, n, lr, beta1, beta2, log2_beta1,
+    p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, grad_scale_ptr, found_inf_ptr, amax_ptr, n, lr, beta1, beta2, log2_beta1,
     log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """Also the amax of the weight as the step leaves it, as int32 bits (order-preserving for |x|,
+    NaN above inf) max-ed into amax_ptr."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    if HAS_INF:  # a non-finite step: every load and store masked off (found_inf read per lane, one address)
-        mask = mask & (tl.load(found_inf_ptr + offs * 0) == 0)
+    update = mask
+    if HAS_INF:  # a non-finite step: no store (found_inf read per lane, one address); the amax still is the weight's
+        update = mask & (tl.load(found_inf_ptr + offs * 0) == 0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(grad_scale_ptr)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p_old = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    p = p_old.to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     step = tl.load(step_ptr)
@@ -48,9 +52,11 @@ def _adamw_kernel(
     v = beta2 * v + (1.0 - beta2) * g * g
     # torch's order: p + (-lr / bias1) * (m / denom)
     p = p - (lr / bias1) * (m / (tl.sqrt(v) / bias2_sqrt + eps))
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    p = tl.where(update, p.to(p_ptr.dtype.element_ty), p_old)
+    tl.store(p_ptr + offs, p, mask=update)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=update)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=update)
+    tl.atomic_max(amax_ptr, tl.max(tl.abs(p.to(tl.float32)).to(tl.int32, bitcast=True), axis=0))
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:
@@ -71,16 +77,23 @@ class TritonAdamW(torch.optim.AdamW):
 
     Constructed as torch's fused AdamW, so its state dict is that optimizer's, loadable by either;
     `grad_scale` and `found_inf` are taken from the optimizer's attributes as the fused one takes them.
+    `weight_amaxes()`: each parameter's amax after the last step, from the step's own pass.
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.01) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+        self._amaxes: dict[torch.Tensor, torch.Tensor] = {}
+
+    def weight_amaxes(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Parameter -> its max |value| after the last step (0-dim fp32; 0 for an empty shard)."""
+        return self._amaxes
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("TritonAdamW.step takes no closure")
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        self._amaxes = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             params = [p for p in group["params"] if p.grad is not None]
@@ -95,7 +108,9 @@ class TritonAdamW(torch.optim.AdamW):
                 continue
             # A skipped step (found_inf) counts nothing, as in torch's fused kernel.
             torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - found_inf)
-            for p, step in zip(params, steps):
+            amax_bits = torch.zeros(len(params), dtype=torch.int32, device=steps[0].device)
+            self._amaxes.update(zip(params, amax_bits.view(torch.float32).unbind()))
+            for p, step, amax in zip(params, steps, amax_bits.unbind()):
                 state = self.state[p]
                 tensors = [_memory(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if not all(t.is_contiguous() for t in tensors):
@@ -104,7 +119,7 @@ class TritonAdamW(torch.optim.AdamW):
                 if not n:
                     continue
                 _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-                    *tensors, step, grad_scale, found_inf, n, group["lr"], beta1, beta2, math.log2(beta1),
+                    *tensors, step, grad_scale, found_inf, amax, n, group["lr"], beta1, beta2, math.log2(beta1),
                     math.log2(beta2), group["eps"], group["weight_decay"], HAS_SCALE=grad_scale is not None,
                     HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=8,
                 )

@@ -34,8 +34,9 @@ class StepParts:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
-    # Called after each applied optimizer step (the float8 seam's post-step hook).
-    after_optimizer_step: Callable[[nn.Module], None]
+    # Called after each optimizer step (the float8 seam's post-step hook), with the weights' amaxes
+    # where the optimizer computed them (trainer/adamw_triton.py's `weight_amaxes`).
+    after_optimizer_step: Callable[[nn.Module, Mapping[torch.Tensor, torch.Tensor] | None], None]
     device: torch.device
     dp_group: Any
     dp: int
@@ -103,7 +104,8 @@ def train_step(
             parts.optimizer.step()
     parts.optimizer.zero_grad(set_to_none=True)
     # After a skipped step it recomputes what the unchanged weights already gave.
-    parts.after_optimizer_step(model)
+    weight_amaxes = getattr(parts.optimizer, "weight_amaxes", None)
+    parts.after_optimizer_step(model, weight_amaxes() if weight_amaxes is not None else None)
     return launched
 
 

@@ -79,14 +79,16 @@ def _count_all_reduces() -> list:
     return state
 
 
-def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False) -> dict:
+def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False, amaxes_given: bool = False) -> dict:
+    """`amaxes_given`: the precompute gets every weight shard's amax (as an optimizer computing them in
+    its step would hand them over), counting the amax passes it still makes."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     import float8.fsdp
     from float8 import Float8Config, convert_to_float8_training, precompute_float8_scales_for_fsdp
-    from float8.fsdp import Float8GatheredWeight
+    from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight
 
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -118,6 +120,13 @@ def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False) ->
 
     float8.fsdp.cast_weight_with_scale = counting_cast
     losses, step_all_reduces, precompute_all_reduces, step_casts = [], [], [], []
+    amax_passes, plain_norm = [0], torch._foreach_norm
+
+    def counting_norm(*args, **kwargs):
+        amax_passes[0] += 1
+        return plain_norm(*args, **kwargs)
+
+    torch._foreach_norm = counting_norm
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     for _ in range(steps):
         x, target = torch.randn(16, 64, generator=gen), 0.1 * torch.randn(16, 32, generator=gen)
@@ -130,11 +139,14 @@ def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False) ->
         step_casts.append(casts[0] - casts_before)
         if all_gather:
             before = all_reduces[0]
-            precompute_float8_scales_for_fsdp(model, cast_weights=cast_weights)
+            amaxes = {p: p._local_tensor._tensor.abs().max().float() for p in model.parameters()
+                      if isinstance(p._local_tensor, Float8TrainingWeight)} if amaxes_given else None
+            precompute_float8_scales_for_fsdp(model, cast_weights=cast_weights, amaxes=amaxes)
             precompute_all_reduces.append(all_reduces[0] - before)
         dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
         losses.append(loss.item())
     dist.all_reduce = all_reduces[1]
+    torch._foreach_norm = plain_norm
     float8.fsdp.cast_weight_with_scale = plain_cast
     for name, original in all_gathers.items():
         setattr(dist, name, original)
@@ -150,6 +162,7 @@ def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False) ->
         "all_gathers": sorted(set(log)),
         "all_gather_contents": contents,
         "step_casts": step_casts,
+        "amax_passes": amax_passes[0],
         "weight_types": sorted(seen_weight_types),
         "plain_state_dict": plain,
         "gathered_is_float8": Float8GatheredWeight.__name__ in seen_weight_types,
@@ -157,12 +170,17 @@ def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False) ->
 
 
 def _fsdp_worker(rank: int) -> dict:
-    return {"on": _fsdp_train(True), "off": _fsdp_train(False), "cast_once": _fsdp_train(True, cast_weights=True)}
+    return {"on": _fsdp_train(True), "off": _fsdp_train(False), "cast_once": _fsdp_train(True, cast_weights=True),
+            "amaxes_given": _fsdp_train(True, amaxes_given=True)}
 
 
-def test_fsdp_float8_all_gather(tmp_path):
-    result = _spawn(_fsdp_worker, tmp_path)
-    on, off = result["on"], result["off"]
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> dict:
+    return _spawn(_fsdp_worker, tmp_path_factory.mktemp("fsdp"))
+
+
+def test_fsdp_float8_all_gather(fsdp_runs):
+    on, off = fsdp_runs["on"], fsdp_runs["off"]
     # Same weights: only the float8 rounding of fp32 vs bf16-rounded weights differs.
     assert on["losses"][0] == pytest.approx(off["losses"][0], rel=5e-3)
     assert on["losses"] == pytest.approx(off["losses"], rel=3e-2)
@@ -181,9 +199,8 @@ def test_fsdp_float8_all_gather(tmp_path):
     assert on["plain_state_dict"] and off["plain_state_dict"]
 
 
-def test_fsdp_float8_weights_cast_once_per_step(tmp_path):
-    result = _spawn(_fsdp_worker, tmp_path)
-    per_gather, once = result["on"], result["cast_once"]
+def test_fsdp_float8_weights_cast_once_per_step(fsdp_runs):
+    per_gather, once = fsdp_runs["on"], fsdp_runs["cast_once"]
     # The same bytes on the wire at every all-gather of every step, so the same training.
     assert once["all_gather_contents"] == per_gather["all_gather_contents"]
     assert len(once["all_gather_contents"]) == 4 * 6
@@ -193,6 +210,13 @@ def test_fsdp_float8_weights_cast_once_per_step(tmp_path):
     assert per_gather["step_casts"] == [6, 6, 6, 6]
     assert once["step_casts"] == [6, 0, 0, 0]
     assert once["step_all_reduces"] == per_gather["step_all_reduces"]
+
+
+def test_fsdp_precompute_takes_the_amaxes_it_is_given(fsdp_runs):
+    computed, given = fsdp_runs["on"], fsdp_runs["amaxes_given"]
+    # The same scales, so the same bytes on the wire and the same training, with no amax pass of its own.
+    assert given["all_gather_contents"] == computed["all_gather_contents"] and given["losses"] == computed["losses"]
+    assert computed["amax_passes"] == 4 and given["amax_passes"] == 0
 
 
 # ---------------------------------------------------------------- tensor parallel

@@ -1,6 +1,7 @@
 """trainer/adamw_triton.py under the Triton interpreter on CPU tensors: torch's AdamW to fp32 rounding,
 step after step, with its weight-decay groups; the fused kernel's guard protocol (`grad_scale` divides
-the gradients, `found_inf` leaves weights, moments and step counts as they were), also on weights
+the gradients, `found_inf` leaves weights, moments and step counts as they were) and the weights'
+amaxes it hands the float8 all-gather, also on weights
 that FSDP all-gathers in float8 (a wrapper subclass); and the state dict of torch's fused AdamW,
 which each loads from the other."""
 
@@ -71,6 +72,8 @@ def test_triton_adamw_is_torchs_adamw_with_the_fused_guard(float8_weights):
     before = [p.detach().clone() for p in tri], {k: v.clone() for k, v in tri_opt.state[tri[0]].items()}
     _step(tri_opt, tri, _grads(3), found_inf=torch.tensor(1.0))
     assert all(torch.equal(a, b) for a, b in zip(before[0], tri))
+    # The weights' amaxes from the step's own pass, also where a skipped step left them unchanged.
+    assert all(torch.equal(tri_opt.weight_amaxes()[p], p.detach().abs().max()) for p in tri)
     assert all(torch.equal(v, tri_opt.state[tri[0]][k]) for k, v in before[1].items())
     assert float(tri_opt.state[tri[0]]["step"]) == 3
 

@@ -55,7 +55,7 @@ def _parts(device: str, impl: str, max_norm: float) -> StepParts:
     kwargs = {"fused": True} if impl == "fused" else {"foreach": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **kwargs)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / 10)
-    return StepParts(model, optimizer, schedule, lambda m: None, torch.device(device), None, 1, False, max_norm)
+    return StepParts(model, optimizer, schedule, lambda m, amaxes: None, torch.device(device), None, 1, False, max_norm)
 
 
 def _batch(poison: bool) -> list[dict[str, torch.Tensor]]:
@@ -149,12 +149,27 @@ class ListLoader:
         return {"read": self.read}
 
 
+def test_the_optimizers_weight_amaxes_reach_the_post_step_hook():
+    # trainer/adamw_triton.py's optimizer computes them in its step; the float8 seam takes them.
+    class WithAmaxes(torch.optim.AdamW):
+        def weight_amaxes(self):
+            return {p: p.detach().abs().max() for p in self.param_groups[0]["params"]}
+
+    parts = _parts("cpu", "fused", 1.0)
+    received = []
+    parts = dataclasses.replace(parts, optimizer=WithAmaxes(parts.model.parameters(), lr=1e-2, fused=True),
+                                after_optimizer_step=lambda m, amaxes: received.append(amaxes))
+    _step(parts, poison=False)
+    _step(dataclasses.replace(parts, optimizer=torch.optim.AdamW(parts.model.parameters(), fused=True)), poison=False)
+    assert [set(a) if a is not None else None for a in received] == [set(parts.model.parameters()), None]
+
+
 def _runner(n_batches: int, last_step: int) -> tuple[StepRunner, BatchReader]:
     torch.manual_seed(0)
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    parts = StepParts(model, optimizer, schedule, lambda m: None, torch.device("cpu"), None, 1, False, 1.0)
+    parts = StepParts(model, optimizer, schedule, lambda m, amaxes: None, torch.device("cpu"), None, 1, False, 1.0)
     reader = BatchReader(ListLoader(n_batches), 1, "data/x")
     float8 = build_seam(Float8TrainingConfig(), Float8RunContext("cpu", "none", "float32", False, 10))
     profiler = StepProfiler(ProfilingConfig(), Path("unused"), 0, torch.device("cpu"))

@@ -8,6 +8,8 @@ on GEMM sizes, the eager casts and the layers left in high precision.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -158,11 +160,12 @@ class OursFloat8Training(Float8Rules):
             return FLOAT8_TP_STYLES
         return PLAIN_TP_STYLES
 
-    def post_optimizer_step(self, model: nn.Module) -> None:
+    def post_optimizer_step(self, model: nn.Module, weight_amaxes: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After each optimizer step: the float8 all-gather's weight scales, in one all-reduce, and
-        with `float8.cast_weights_once` the float8 weight shards its all-gathers hand on."""
+        with `float8.cast_weights_once` the float8 weight shards its all-gathers hand on;
+        `weight_amaxes` (by parameter, from the optimizer's step) spare their amax pass."""
         if self.config.fsdp_float8_all_gather:
-            precompute_float8_scales_for_fsdp(model, cast_weights=self.f8.cast_weights_once)
+            precompute_float8_scales_for_fsdp(model, cast_weights=self.f8.cast_weights_once, amaxes=weight_amaxes)
 
     def arm_health(self, model: nn.Module, step: int, device: torch.device) -> None:
         """Before a step's forward: on every `metrics.float8_stats_freq`-th step, have the float8

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,8 +125,9 @@ class TorchaoFloat8Training(Float8Rules):
         # they are: no local inputs.
         return TPStyles(Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput, float8_gathers=True)
 
-    def post_optimizer_step(self, model: nn.Module) -> None:
-        """After each optimizer step: the float8 all-gather's weight scales, in one all-reduce."""
+    def post_optimizer_step(self, model: nn.Module, weight_amaxes: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """After each optimizer step: the float8 all-gather's weight scales, in one all-reduce (torchao
+        computes its own amaxes: `weight_amaxes` is not used)."""
         if self.all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

@@ -8,6 +8,7 @@ implementation (off.py, ours.py, reference.py) subclasses it and overrides what 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -113,7 +114,7 @@ class Float8Rules:
     def tp_styles(self) -> TPStyles:
         return PLAIN_TP_STYLES
 
-    def post_optimizer_step(self, model: nn.Module) -> None:
+    def post_optimizer_step(self, model: nn.Module, weight_amaxes: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         return None
 
     def arm_health(self, model: nn.Module, step: int, device: torch.device) -> None:
