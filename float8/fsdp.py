@@ -286,9 +286,8 @@ def plain_weight(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def precompute_float8_scales_for_fsdp(
-    model: nn.Module, cast_weights: bool = False, amaxes: Mapping[torch.Tensor, torch.Tensor] | None = None
-) -> None:
+def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = False,
+                                      amaxes: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Compute the float8 scales of all FSDP-sharded float8 weights with one all-reduce.
 
     Call after every `optimizer.step()` when `fsdp_float8_all_gather` is on; the next
@@ -296,14 +295,10 @@ def precompute_float8_scales_for_fsdp(
     shard is also cast to float8 with its new scale here, and every all-gather until the
     next call (forward, and backward's re-gather) hands FSDP those bytes: one cast per
     step instead of one per all-gather, for 1 byte per sharded parameter kept meanwhile.
-    The weights must not change between this call and those all-gathers. `amaxes`: the max |value|
-    of weights (shards) already known, by parameter (0-dim fp32; e.g. from the optimizer step that
-    just wrote them), which then take no amax pass of their own.
+    The weights must not change between this call and those all-gathers. `amaxes`: shards' max |value|
+    already known, by parameter (0-dim fp32; from the optimizer step that wrote them): no amax pass.
     """
-    weights = [
-        p for p in model.parameters()
-        if isinstance(p, DTensor) and isinstance(p._local_tensor, Float8TrainingWeight)
-    ]
+    weights = [p for p in model.parameters() if isinstance(p, DTensor) and isinstance(p._local_tensor, Float8TrainingWeight)]
     if not weights:
         return
     by_mesh: dict[Any, list[DTensor]] = {}
@@ -317,10 +312,8 @@ def precompute_float8_scales_for_fsdp(
         known = amaxes or {}
         unknown = [s for w, s in zip(group, shards) if s.numel() and w not in known]
         norms = iter(torch._foreach_norm(unknown, ord=math.inf)) if unknown else iter(())
-        amax = torch.stack([
-            known[w].float() if w in known else next(norms).float() if s.numel() else torch.zeros((), device=s.device)
-            for w, s in zip(group, shards)
-        ])
+        amax = torch.stack([known[w].float() if w in known else next(norms).float() if s.numel()
+                            else torch.zeros((), device=s.device) for w, s in zip(group, shards)])
         # The ranks that all-gather a weight together must share its scale: the FSDP shard dim, the
         # same group as the per-weight fallback in fsdp_pre_all_gather, so both give the same scales.
         # HSDP's replicas hold the same weights, so they compute the same scales without exchanging them.
