@@ -197,14 +197,19 @@ def test_traced_fullgraph_is_eager_bitwise():
 
 
 @pytest.mark.version_specific
+@pytest.mark.parametrize("casts", ["traced", "kernel op"])
 @pytest.mark.parametrize(("d_in", "d_out", "tokens"), [(4096, 11008, 4094), (11008, 4096, 8192), (4096, 4096, 8192)])
-def test_linear_forward_and_backward_pass_the_cublas_layout_checks(monkeypatch, d_in, d_out, tokens):
-    # The whole blockwise linear with the casts as torch.compile traces them, every GEMM handed to
-    # the cuBLAS call on meta tensors: what dynamo's fake run checks on a GPU (two layouts it
-    # refused there: the backward's transposed weight scales, a column-major grad_weight lhs).
+def test_linear_forward_and_backward_pass_the_cublas_layout_checks(monkeypatch, d_in, d_out, tokens, casts):
+    # The whole blockwise linear with the casts as torch.compile runs them (traced, or on a GPU the
+    # kernels' op, whose fake gives its layouts), every GEMM handed to the cuBLAS call on meta tensors:
+    # what dynamo's fake run checks on a GPU (two layouts it refused there: the backward's transposed
+    # weight scales, a column-major grad_weight lhs).
     import float8.linear
     from float8.gemm import _cublas_blockwise_mm
 
+    if casts == "kernel op":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(float8.linear, "graph_backend", lambda *_: "graph")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *_: False)  # no autocast state for meta
     monkeypatch.setattr(float8.linear, "blockwise_mm", lambda a, b, a_inv, b_inv, a_block, b_block, out_dtype, _:
