@@ -1,7 +1,7 @@
 """Check float8 training numerics on this machine's GPU (or CPU) against an fp32 reference.
 
     python scripts/check_float8.py [--device cuda] [--tokens 4096]
-    python scripts/check_float8.py --model-gemms [--layers 2] [--batch 2] [--seq 4096] [--checkpoint DIR] [--out sqnr.json]
+    python scripts/check_float8.py --model-gemms [--layers 2] [--batch 2] [--seq 4096] [--checkpoint PATH] [--out sqnr.json]
 
 For each scaling recipe and each way of running it (eager; eager with unfused casts;
 compiled with the aot_eager and inductor backends) prints the SQNR in dB of the

@@ -33,9 +33,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
 
 def _triton_adamw(groups: list[dict], params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     device = params[0].device.type if params else "cpu"
-    if importlib.util.find_spec("triton") is None or (device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+    has_triton = importlib.util.find_spec("triton") is not None
+    if not has_triton or (device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         raise UserError(f"optimizer.implementation = 'triton' needs Triton (torch's CUDA builds) and a CUDA device, got {device}"
-                        + ("" if importlib.util.find_spec("triton") else " and no Triton"))
+                        + ("" if has_triton else " and no Triton"))
     from trainer.adamw_triton import TritonAdamW
 
     return TritonAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
