@@ -155,12 +155,11 @@ def test_the_optimizers_weight_amaxes_reach_the_post_step_hook():
         def weight_amaxes(self):
             return {p: p.detach().abs().max() for p in self.param_groups[0]["params"]}
 
-    parts = _parts("cpu", "fused", 1.0)
-    received = []
-    parts = dataclasses.replace(parts, optimizer=WithAmaxes(parts.model.parameters(), lr=1e-2, fused=True),
-                                after_optimizer_step=lambda m, amaxes: received.append(amaxes))
-    _step(parts, poison=False)
-    _step(dataclasses.replace(parts, optimizer=torch.optim.AdamW(parts.model.parameters(), fused=True)), poison=False)
+    parts, received = _parts("cpu", "fused", 1.0), []
+    for optimizer in (WithAmaxes(parts.model.parameters(), lr=1e-2, fused=True),
+                      torch.optim.AdamW(parts.model.parameters(), lr=1e-2, fused=True)):
+        _step(dataclasses.replace(parts, optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                                  after_optimizer_step=lambda m, amaxes: received.append(amaxes)), poison=False)
     assert [set(a) if a is not None else None for a in received] == [set(parts.model.parameters()), None]
 
 
