@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import runpy
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +31,7 @@ def free_port() -> int:
 
 
 def run_train(
-    args: list[str], nproc: int = 1, timeout: int = 600, env: dict | None = None, script: str = "train.py",
+    args: list[str], nproc: int = 1, timeout: int = 300, env: dict | None = None, script: str = "train.py",
     launcher: str = "fork",
 ) -> subprocess.CompletedProcess:
     """`script` (train.py, a test wrapper of it, or a command in scripts/) with `args` in `nproc` processes.
@@ -53,7 +55,7 @@ def run_train(
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def run_script(script: str, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_script(script: str, args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` from the repository root, forked as run_train forks train.py."""
     return run_train(args, timeout=timeout, env=env, script=script)
 
@@ -143,6 +145,7 @@ def _script_main_in_fork(script: str, args: list[str], env: dict[str, str], stdo
     path = str(ROOT / script)
     sys.argv = [script, *args]
     multiprocessing.set_start_method(None, force=True)  # a new process's default, not the server's
+    faulthandler.register(_DUMP_STACKS, all_threads=True)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     code = 0
     try:
@@ -163,6 +166,18 @@ def _script_main_in_fork(script: str, args: list[str], env: dict[str, str], stdo
     os._exit(code)
 
 
+# A run that outlives its timeout prints every thread's Python stack to its stderr before it is
+# killed: where it hung is then in the test's report.
+_DUMP_STACKS = signal.SIGUSR1
+
+
+def _dump_stacks(ranks: list[multiprocessing.process.BaseProcess]) -> None:
+    for rank in ranks:
+        if rank.is_alive():
+            os.kill(rank.pid, _DUMP_STACKS)
+    time.sleep(1)
+
+
 def _run_forked(script: str, args: list[str], nproc: int, timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
     context = _forkserver()
     port, run_id = free_port(), uuid.uuid4().hex
@@ -179,10 +194,13 @@ def _run_forked(script: str, args: list[str], nproc: int, timeout: int, env: dic
         while any(r.is_alive() for r in ranks) and not failed:
             left = deadline - time.monotonic()
             if left <= 0:
+                _dump_stacks(ranks)
                 for rank in ranks:
                     rank.kill()
                     rank.join()
-                raise subprocess.TimeoutExpired(cmd, timeout, out.read(), err.read())
+                output, errors = out.read(), err.read()
+                print(f"the run timed out after {timeout} s; its stderr's end:\n{errors[-20000:]}", file=sys.stderr)
+                raise subprocess.TimeoutExpired(cmd, timeout, output, errors)
             multiprocessing.connection.wait([r.sentinel for r in ranks if r.is_alive()], left)
             failed = any(r.exitcode not in (None, 0) for r in ranks)
         if failed:

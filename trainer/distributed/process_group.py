@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.config import Layout
+from trainer.log import warn
 
 
 @dataclass
@@ -85,13 +87,45 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def shutdown(clean: bool) -> None:
+# How long the process group's destruction may take once every rank is past the final barrier: it
+# takes well under a second, but gloo's teardown has hung now and then (CI of 2026-12-05: one rank of
+# a finished 2-rank run exited, the other never returned), and torchrun waits for every worker.
+DESTROY_TIMEOUT_S = 60.0
+
+
+def shutdown(clean: bool, destroy_timeout_s: float = DESTROY_TIMEOUT_S) -> None:
     """Tear the process group down; `clean` (every rank finished) waits for the others first.
 
     After an error on some ranks a barrier could wait out the whole timeout for ranks
-    that will never reach it, so only a clean exit synchronises.
+    that will never reach it, so only a clean exit synchronises. The barrier is not bounded
+    (rank 0 may still be writing the final export); the destruction after it is: by then
+    the run is saved, so a destruction that hangs or fails costs a warning, not the run.
     """
-    if dist.is_initialized():
-        if clean:
-            dist.barrier()
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if clean:
+        dist.barrier()
+    failure: list[BaseException] = []
+    # A new thread starts on CUDA device 0: NCCL's communicators are torn down from this rank's.
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def destroy() -> None:
+        try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
+            dist.destroy_process_group()
+        except Exception as e:
+            failure.append(e)
+
+    thread = threading.Thread(target=destroy, name="process-group-destroy", daemon=True)
+    thread.start()
+    thread.join(destroy_timeout_s)
+    if not clean:  # the run's error line is out; another would bury it
+        return
+    if thread.is_alive():
+        warn(f"the process group's teardown did not finish in {destroy_timeout_s:g} s; leaving without it "
+             "(the run had finished and saved)", every_rank=True)
+    elif failure:
+        first = (str(failure[0]).strip().splitlines() or [""])[0]
+        warn(f"the process group's teardown failed ({type(failure[0]).__name__}: {first}); "
+             "the run had finished and saved", every_rank=True)
