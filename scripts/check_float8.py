@@ -1,7 +1,7 @@
 """Check float8 training numerics on this machine's GPU (or CPU) against an fp32 reference.
 
     python scripts/check_float8.py [--device cuda] [--tokens 4096]
-    python scripts/check_float8.py --model-gemms [--layers 2] [--batch 2] [--seq 4096] [--checkpoint PATH] [--out sqnr.json]
+    python scripts/check_float8.py --model-gemms [--layers 2] [--batch 2] [--seq 4096] [--checkpoint PATH [--vocab-size N]] [--out sqnr.json]
 
 For each scaling recipe and each way of running it (eager; eager with unfused casts;
 compiled with the aot_eager and inductor backends) prints the SQNR in dB of the
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--recipes", default="tensorwise,rowwise,blockwise", type=lambda s: s.split(","))
     model.add_argument("--corpus", default="data/corpus")
     model.add_argument("--tokenizer", default="data/tokenizer.model")
+    model.add_argument("--vocab-size", type=int, default=None,
+                       help="the model's vocabulary (default: the tokenizer's); a checkpoint's model.vocab_size")
     model.add_argument("--checkpoint", help="the model's weights instead of a fresh init: a DCP folder (a training "
                                             "step's or a model-only one) or a model file (checkpoint.export_final's "
                                             "model.safetensors); --flavor, --layers and the tokenizer must match it")

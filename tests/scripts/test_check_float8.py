@@ -49,3 +49,10 @@ def test_model_gemms_take_the_checkpoints_weights(tmp_path, capsys):
     code = run_command(lambda: check_float8.main([*ARGS, "--layers", "2", "--checkpoint", str(tmp_path / "same")]))
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: --checkpoint {tmp_path / 'same'} lacks")
+    # A trainer's model may have more rows of embedding than its tokenizer has words (model.vocab_size).
+    wide = dataclasses.replace(ARGS_1_LAYER, vocab_size=ARGS_1_LAYER.vocab_size + 64)
+    export_model(initialized_model(wide, seed=7).state_dict(), wide, tmp_path / "wide", torch.bfloat16)
+    wide_file = str(tmp_path / "wide" / "model.safetensors")
+    assert run_command(lambda: check_float8.main([*ARGS, "--checkpoint", wide_file])) == 2
+    assert "the model expects" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert _table(tmp_path, "--checkpoint", wide_file, "--vocab-size", str(wide.vocab_size)).keys() == fresh.keys()

@@ -103,7 +103,8 @@ def sqnr_table(opts) -> dict[str, dict[str, list[float]]]:
     """linear name -> recipe -> SQNR (dB) of its output, grad_input and grad_weight GEMMs."""
     device = torch.device(opts.device)
     tokenizer = Tokenizer(opts.tokenizer)
-    args = dataclasses.replace(LLAMA2_FLAVORS[opts.flavor], n_layers=opts.layers, vocab_size=tokenizer.n_words,
+    args = dataclasses.replace(LLAMA2_FLAVORS[opts.flavor], n_layers=opts.layers,
+                               vocab_size=opts.vocab_size or tokenizer.n_words,
                                max_seq_len=opts.seq + 1)
     model = initialized_model(args, seed=42, device=device)
     if opts.checkpoint:
