@@ -217,6 +217,14 @@ def _run_forked(script: str, args: list[str], nproc: int, timeout: int, env: dic
         return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
+def assert_compiles_for_hopper(code: str) -> None:
+    """Run `code`, which compiles Triton kernels for sm_90 and prints "compiled", in a new interpreter
+    without TRITON_INTERPRET: Triton's own compiler passes and ptxas, no GPU needed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
 def train_in_process(cfg):
     """Train `cfg` in this process as train.py would, and return the Trainer; the signal handlers
     and torchrun's environment (RANK, MASTER_PORT, ...) the run installs are put back after it, so

@@ -24,7 +24,7 @@ from float8.scaling import (
     cast_tensorwise,
     cast_with_scale,
 )
-from tests.helpers import ROOT, cpu_float8_emulated, linear_step
+from tests.helpers import assert_compiles_for_hopper, cpu_float8_emulated, linear_step
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the kernels in Triton's interpreter (tests/conftest.py sets it without a GPU)", allow_module_level=True)
@@ -276,10 +276,4 @@ def test_kernels_compile_for_hopper():
     """Every kernel variant the launchers use compiles to sm_90 code with the GPU's own
     compiler passes (Triton ships ptxas; no GPU needed): the interpreter checks none of what
     only the compiler does, such as that kernels read globals only as constexprs."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_hopper(_COMPILE_FOR_HOPPER)

@@ -119,12 +119,6 @@ def test_kernel_compiles_for_hopper():
     """The kernel compiles to sm_90 code with the GPU's own compiler passes (Triton ships ptxas; no GPU
     needed), with and without the guard's tensors, fp32 and bf16 weights: the interpreter checks none of
     what only the compiler does."""
-    import subprocess
-    import sys
+    from tests.helpers import assert_compiles_for_hopper
 
-    from tests.helpers import ROOT
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert_compiles_for_hopper(_COMPILE_FOR_HOPPER)
