@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="the model's vocabulary (default: the tokenizer's); a checkpoint's model.vocab_size")
     model.add_argument("--checkpoint", help="the model's weights instead of a fresh init: a DCP folder (a training "
                                             "step's or a model-only one) or a model file (checkpoint.export_final's "
-                                            "model.safetensors); --flavor, --layers and the tokenizer must match it")
+                                            "model.safetensors); --flavor, --layers and --vocab-size (default: the tokenizer's) "
+                                            "must match it")
     model.add_argument("--out", help="write the table as JSON here")
     opts = parser.parse_args(argv)
     device = torch.device(opts.device)
