@@ -34,12 +34,15 @@ def test_hsdp_matches_one_process(losses):
     assert_close(single, losses(["--training.batch_size", "2", *hsdp], nproc=4), 2e-2, "HSDP 2x2 vs 1 process", 5e-2)
     float8 = [*FLOAT8["tensorwise"], "--float8.fsdp_float8_all_gather", "true"]
     single = losses(["--training.batch_size", "8", *FLOAT8["tensorwise"]])
-    for label, layout in (("HSDP 2x2", ["--training.batch_size", "2"]),
-                          ("replicate 2 x TP 2", ["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2"])):
+    # Step 2 is the first whose all-gathers use the scales computed after the optimizer step: agreed
+    # over the wrong group (the replicas), HSDP 2x2's grad norm is 1e-2 off there, right 2e-5. TP's
+    # local scales round other float8 values than one process's (6e-3 off at step 2 on an AVX512 Xeon).
+    for label, layout, early_norm_rtol in (
+        ("HSDP 2x2", ["--training.batch_size", "2"], 5e-3),
+        ("replicate 2 x TP 2", ["--training.batch_size", "4", "--parallelism.tensor_parallel_degree", "2"], 1e-2),
+    ):
         run = losses([*layout, *hsdp, *float8], nproc=4)
-        # Step 2 is the first whose all-gathers use the scales computed after the optimizer step: agreed
-        # over the wrong group (the replicas), HSDP 2x2's grad norm is 1e-2 off there, right 2e-5.
-        assert_close(single[:2], run[:2], 2e-2, f"float8 {label} vs 1 process, steps 1-2", 5e-3)
+        assert_close(single[:2], run[:2], 2e-2, f"float8 {label} vs 1 process, steps 1-2", early_norm_rtol)
         assert_close(single, run, 2e-2, f"float8 {label} vs 1 process", 5e-2)
 
 
