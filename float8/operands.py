@@ -7,8 +7,9 @@ eager cast backends, or one inside torch.compile.
     "compiled"  float8/scaling.py's casts, each compiled into a fused kernel by torch.compile
     "plain"     the same casts as eager PyTorch ops; also what an outer torch.compile traces
     "graph"     inside torch.compile where "triton" runs: casts traced as "plain" (inductor fuses
-                them with their neighbours), but block-scaled ones call the kernels' op, one read
-                for both layouts (inductor's tile reductions of a transposed layout are far slower)
+                them with their neighbours), but block-scaled ones and per-row ones that write a
+                transposed layout call the kernels' ops, which write both layouts from one read
+                (inductor's reductions across the rows of a transposed layout are far slower)
 
 "triton" and "plain" give the same bytes (float8/kernels/cast.py says how exactly); "compiled"
 can round a scale 1 ulp off theirs (inductor's division), so its bytes differ now and then.
@@ -93,11 +94,13 @@ def _block_kernels():
     return blocks
 
 
-def _uses_kernels(t: torch.Tensor, backend: str, spec: Cast | None = None) -> bool:
-    # Empty tensors (an FSDP shard with no rows) take the reference path: no zero-size grids.
+def _uses_kernels(t: torch.Tensor, backend: str, spec: Cast | None = None, transposed: bool = False) -> bool:
+    """Whether the kernels cast `t` (into a layout that includes the transposed one if `transposed`)."""
     blocks = spec is not None and spec.block is not None
-    return ((backend == "triton" or (backend == "graph" and blocks)) and t.ndim == 2 and t.is_contiguous() and t.numel() > 0
-            and (not blocks or kernel_block(spec.block)))
+    columns = transposed and spec is not None and spec.amax_over is not None
+    # Empty tensors (an FSDP shard with no rows) take the reference path: no zero-size grids.
+    return ((backend == "triton" or (backend == "graph" and (blocks or columns))) and t.ndim == 2 and t.is_contiguous()
+            and t.numel() > 0 and (not blocks or kernel_block(spec.block)))
 
 
 def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bool) -> tuple[Operand | None, Operand | None]:
@@ -135,7 +138,7 @@ def operand_t(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
     """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout."""
     if spec.dtype is None:
         return Operand(t.t())
-    if _uses_kernels(t, backend, spec):
+    if _uses_kernels(t, backend, spec, transposed=True):
         return _kernel_operands(t, spec, rowmajor=False, transposed=True)[1]
     fused = backend == "compiled"
     if spec.block is not None:
@@ -171,7 +174,7 @@ def operands_both(t: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str) -
     Otherwise one per-tensor cast serves both and the transposed copy waits for the caller
     (a backward, when it needs it); else each is cast on its own.
     """
-    if _uses_kernels(t, backend, row_cast) and _one_kernel_pass(row_cast, t_cast):
+    if _uses_kernels(t, backend, row_cast, transposed=True) and _one_kernel_pass(row_cast, t_cast):
         rows, cols = _kernel_operands(t, row_cast, rowmajor=True, transposed=True)
         return rows, cols, False
     rows = operand(t, row_cast, backend)

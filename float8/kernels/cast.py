@@ -8,7 +8,8 @@ transposed; the programs on the first row/column of tiles also write the scales 
 inverses (what torch._scaled_mm takes). A row-major cast with a given scale (a weight shard's,
 after the optimizer step) is one flat stream instead, `_cast_flat_kernel`. Values are bitwise those of float8/scaling.py's
 reference cast on a GPU; under TRITON_INTERPRET=1 everything but the float8 rounding itself
-is (the interpreter rounds float8 its own way).
+is (the interpreter rounds float8 its own way). The rowwise cast is an op, `float8_training::cast_rows`,
+which torch.compile calls as it is rather than tracing it.
 
 Amaxes are reduced as the int32 bits of |x|: for non-negative floats the bit order is the
 value order, NaN above inf, so an integer max is exact, order-independent and keeps a NaN
@@ -154,13 +155,21 @@ def _grid(m: int, k: int) -> tuple[int, int]:
     return triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K)
 
 
+def _padded(sizes: list[int]) -> list[int]:
+    """Sizes rounded up to a multiple of 4 float32s: cuBLAS float8 GEMMs refuse scale pointers that
+    are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED)."""
+    return [-(-n // 4) * 4 for n in sizes]
+
+
+def _aligned_views(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive parts of `buffer` of these sizes, each starting 16-byte aligned."""
+    padded = _padded(sizes)
+    return [buffer[sum(padded[:i]):sum(padded[:i]) + n] for i, n in enumerate(sizes)]
+
+
 def _aligned_parts(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Tensors of these sizes from one allocation, each starting 16-byte aligned: cuBLAS
-    float8 GEMMs refuse scale pointers that are not (CUBLAS_STATUS_NOT_SUPPORTED)."""
-    padded = [-(-n // 4) * 4 for n in sizes]
-    buffer = torch.empty(sum(padded), dtype=dtype, device=device)
-    offsets = [sum(padded[:i]) for i in range(len(sizes))]
-    return [buffer[o:o + n] for o, n in zip(offsets, sizes)]
+    """Tensors of these sizes from one allocation, each starting 16-byte aligned."""
+    return _aligned_views(torch.empty(sum(_padded(sizes)), dtype=dtype, device=device), sizes)
 
 
 def _constants(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> dict:
@@ -203,23 +212,56 @@ def cast_tensorwise_layouts(
     return data, data_t, scale, inv
 
 
+def _rows_outputs(x: torch.Tensor, float8_dtype: torch.dtype, rowmajor: bool, transposed: bool) -> list[torch.Tensor]:
+    """The rowwise cast's outputs: the float8 data of each layout asked for (row-major, then
+    transposed), then one buffer holding the row scales, their inverses, the column scales and
+    theirs (`_aligned_views`'s parts of sizes M, M, K, K)."""
+    m, k = x.shape
+    out = [torch.empty(m, k, dtype=float8_dtype, device=x.device)] if rowmajor else []
+    out += [torch.empty(k, m, dtype=float8_dtype, device=x.device)] if transposed else []
+    return [*out, torch.empty(sum(_padded([m, m, k, k])), dtype=torch.float32, device=x.device)]
+
+
+def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor: bool, transposed: bool) -> list[torch.Tensor]:
+    out = _rows_outputs(x, float8_dtype, rowmajor, transposed)
+    m, k = x.shape
+    if not x.numel():
+        return out
+    data = out[0] if rowmajor else None
+    data_t = out[int(rowmajor)] if transposed else None
+    amax, amax_t = torch.zeros(m + k, dtype=torch.int32, device=x.device).split([m, k])
+    _amax_2d_kernel[_grid(m, k)](x, amax, amax_t, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
+    _cast_kernel[_grid(m, k)](
+        x, data, data_t, amax, amax_t, *_aligned_views(out[-1], [m, m, k, k]), m, k, ROWWISE=True,
+        SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
+    )
+    return out
+
+
+# The kernels as one op that torch.compile keeps whole: traced, a per-column amax is an inductor
+# reduction across rows, fused with its producer and far slower than these two launches that
+# write both layouts (docs/benchmarks.md, "Rowwise casts as the kernels' op"). Its fake allocates.
+_cast_rows_op = torch.library.custom_op("float8_training::cast_rows", _cast_rows, mutates_args=())
+
+
+@_cast_rows_op.register_fake
+def _(x, float8_dtype, pow2, rowmajor, transposed):
+    return _rows_outputs(x, float8_dtype, rowmajor, transposed)
+
+
 def cast_rowwise_layouts(
     x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True, *, rowmajor: bool = True, transposed: bool = False
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
            torch.Tensor | None, torch.Tensor | None]:
     """x cast with one scale per row (amax over K) row-major and/or one per column (amax over M)
     transposed: (data, data_t, row scales (M, 1), their inverses, column scales (K, 1), their
-    inverses), None for a layout not asked for."""
+    inverses), None for a layout not asked for. Inside torch.compile, one op."""
     m, k = _check_2d(x)
-    amax, amax_t = torch.zeros(m + k, dtype=torch.int32, device=x.device).split([m, k])
-    _amax_2d_kernel[_grid(m, k)](x, amax, amax_t, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
-    row_scale, row_inv, col_scale, col_inv = (t[:, None] for t in _aligned_parts([m, m, k, k], torch.float32, x.device))
-    data = torch.empty(m, k, dtype=float8_dtype, device=x.device) if rowmajor else None
-    data_t = torch.empty(k, m, dtype=float8_dtype, device=x.device) if transposed else None
-    _cast_kernel[_grid(m, k)](
-        x, data, data_t, amax, amax_t, row_scale, row_inv, col_scale, col_inv, m, k, ROWWISE=True,
-        SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
-    )
+    # Outside a compile the kernels are called straight: the op's dispatch costs ~25 us of host time a call.
+    out = (_cast_rows_op if torch.compiler.is_compiling() else _cast_rows)(x, float8_dtype, pow2, rowmajor, transposed)
+    data = out[0] if rowmajor else None
+    data_t = out[int(rowmajor)] if transposed else None
+    row_scale, row_inv, col_scale, col_inv = (t[:, None] for t in _aligned_views(out[-1], [m, m, k, k]))
     if not rowmajor:
         row_scale = row_inv = None
     if not transposed:

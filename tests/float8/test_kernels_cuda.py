@@ -112,3 +112,18 @@ def test_linear_with_kernels_is_bitwise_the_plain_and_compiled_casts(scaling):
     # torch 2.11: e5m2 scale 3423.5225 against 3423.5222), so the compiled casts are close, not equal.
     for got, want in zip(results["compiled"], results["plain"]):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
+def test_compiled_rowwise_linear_is_the_eager_one_bitwise(scaling):
+    # Compiled, the per-row casts into a transposed layout are the kernels' op and the row-major ones
+    # inductor's (power-of-two scales: its division's 1-ulp slips round to the same scale): as in eager.
+    torch.manual_seed(0)
+    ref = nn.Linear(4096, 11008, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4094, 4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(4094, 11008, device="cuda", dtype=torch.bfloat16)
+    eager, compiled = (
+        linear_step(wrap(Float8Linear.from_float(copy.deepcopy(ref), Float8Config(scaling=scaling))), x, g)
+        for wrap in (lambda m: m, lambda m: torch.compile(m, fullgraph=True))
+    )
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
