@@ -1,12 +1,16 @@
-"""AdamW as one Triton kernel per parameter (`optimizer.implementation = "triton"`).
+"""AdamW as one Triton launch per parameter group (`optimizer.implementation = "triton"`).
 
 Torch's fused AdamW updates every parameter in launches of a fixed number of blocks, whatever
-the tensors' sizes; here each parameter gets a grid of its own size. Same update, same state
-(`step` a device tensor, `exp_avg`, `exp_avg_sq`), same checkpoint format and the same protocol
-as the fused kernel for the trainer's clip and non-finite guard (trainer/step.py): `grad_scale`
-divides the gradients, a non-zero `found_inf` leaves weights, moments and step counts unchanged,
-both read on the device, so nothing waits on the host. Results match torch's AdamW to fp32
-rounding (the bias corrections are computed in the kernel as exp2(step log2(beta))).
+the tensors' sizes. Here one launch covers a group's parameters: program `pid` updates BLOCK
+elements of parameter `block_param[pid]`, whose weight, gradient, moments and step count it
+finds in a table of addresses written each step (5 x parameters, int64: the gradients' memory
+moves between steps, the rest does not). The program-to-parameter tables depend on the sizes
+alone and are built once. Same update, same state (`step` a device tensor, `exp_avg`,
+`exp_avg_sq`), same checkpoint format and the same protocol as the fused kernel for the
+trainer's clip and non-finite guard (trainer/step.py): `grad_scale` divides the gradients, a
+non-zero `found_inf` leaves weights, moments and step counts unchanged, both read on the
+device, so nothing waits on the host. Results match torch's AdamW to fp32 rounding (the bias
+corrections are computed in the kernel as exp2(step log2(beta))).
 
 Imported only where Triton is (torch's CUDA builds bring it); runs on CUDA tensors, and on CPU
 tensors under TRITON_INTERPRET=1 (tests).
@@ -23,28 +27,32 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 BLOCK = 4096
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Rows of the address table: weight, gradient, first moment, second moment, step count.
+_ROLES = 5
 
 
 @triton.jit
-def _adamw_kernel(
-    p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, grad_scale_ptr, found_inf_ptr, amax_ptr, n, lr, beta1, beta2, log2_beta1,
-    log2_beta2, eps, weight_decay, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr,
+def _update(
+    p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
+    weight_decay, HAS_SCALE: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Also the amax of the weight as the step leaves it, as int32 bits (order-preserving for |x|,
-    NaN above inf) max-ed into amax_ptr."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    update = mask
-    if HAS_INF:  # a non-finite step: no store (found_inf read per lane, one address); the amax still is the weight's
-        update = mask & (tl.load(found_inf_ptr + offs * 0) == 0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    """One block's update, stored; returns the max |weight| bits as the step leaves it. Unmasked for
+    whole blocks: a mask of a length read from memory would keep the loads from vectorizing."""
+    if MASKED:
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        p_old = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        m_old = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v_old = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    else:
+        g = tl.load(g_ptr + offs).to(tl.float32)
+        p_old = tl.load(p_ptr + offs)
+        m_old = tl.load(m_ptr + offs)
+        v_old = tl.load(v_ptr + offs)
     if HAS_SCALE:
         g = g / tl.load(grad_scale_ptr)
-    p_old = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    p = p_old.to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    step = tl.load(step_ptr)
+    p, m, v = p_old.to(tl.float32), m_old.to(tl.float32), v_old.to(tl.float32)
     bias1 = 1.0 - tl.exp2(step * log2_beta1)
     bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     p = p * (1.0 - lr * weight_decay)
@@ -52,11 +60,49 @@ def _adamw_kernel(
     v = beta2 * v + (1.0 - beta2) * g * g
     # torch's order: p + (-lr / bias1) * (m / denom)
     p = p - (lr / bias1) * (m / (tl.sqrt(v) / bias2_sqrt + eps))
-    p = tl.where(update, p.to(p_ptr.dtype.element_ty), p_old)
-    tl.store(p_ptr + offs, p, mask=update)
-    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=update)
-    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=update)
-    tl.atomic_max(amax_ptr, tl.max(tl.abs(p.to(tl.float32)).to(tl.int32, bitcast=True), axis=0))
+    # A skipped step writes back what it read: the same bits, and no branch around the stores.
+    p = tl.where(keep, p_old, p.to(p_old.dtype))
+    m = tl.where(keep, m_old, m.to(m_old.dtype))
+    v = tl.where(keep, v_old, v.to(v_old.dtype))
+    if MASKED:
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+    else:
+        tl.store(p_ptr + offs, p)
+        tl.store(m_ptr + offs, m)
+        tl.store(v_ptr + offs, v)
+    return tl.max(tl.abs(p.to(tl.float32)).to(tl.int32, bitcast=True), axis=0)
+
+
+@triton.jit
+def _adamw_kernel(
+    addr_ptr, block_param_ptr, first_block_ptr, numel_ptr, grad_scale_ptr, found_inf_ptr, amax_ptr, n_params, lr, beta1,
+    beta2, log2_beta1, log2_beta2, eps, weight_decay, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+    S_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Also each weight's amax as the step leaves it, as int32 bits (order-preserving for |x|, NaN
+    above inf) max-ed into amax_ptr[parameter]. Every address is 16-byte aligned (the caller checks)."""
+    pid = tl.program_id(0)
+    i = tl.load(block_param_ptr + pid)
+    start = (pid - tl.load(first_block_ptr + i)).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    n = tl.load(numel_ptr + i)
+    p_ptr = tl.multiple_of(tl.load(addr_ptr + i).to(tl.pointer_type(P_DTYPE)), 16)
+    g_ptr = tl.multiple_of(tl.load(addr_ptr + n_params + i).to(tl.pointer_type(G_DTYPE)), 16)
+    m_ptr = tl.multiple_of(tl.load(addr_ptr + 2 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
+    v_ptr = tl.multiple_of(tl.load(addr_ptr + 3 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
+    step = tl.load(tl.load(addr_ptr + 4 * n_params + i).to(tl.pointer_type(tl.float32)))
+    keep = False
+    if HAS_INF:
+        keep = tl.load(found_inf_ptr) != 0
+    if start + BLOCK <= n:
+        amax = _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1,
+                       log2_beta2, eps, weight_decay, HAS_SCALE, False)
+    else:
+        amax = _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1,
+                       log2_beta2, eps, weight_decay, HAS_SCALE, True)
+    tl.atomic_max(amax_ptr + i, amax)
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +118,14 @@ def _memory(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _block_tables(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(parameter of each program, first program of each parameter, numels): what the sizes fix."""
+    counts = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+    first = torch.cumsum(counts, 0) - counts
+    block_param = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
+    return block_param.to(device), first.to(torch.int32).to(device), torch.tensor(numels, dtype=torch.int64).to(device)
+
+
 class TritonAdamW(torch.optim.AdamW):
     """torch.optim.AdamW (decoupled weight decay, no amsgrad) stepped by `_adamw_kernel`.
 
@@ -83,6 +137,7 @@ class TritonAdamW(torch.optim.AdamW):
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.01) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         self._amaxes: dict[torch.Tensor, torch.Tensor] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def weight_amaxes(self) -> dict[torch.Tensor, torch.Tensor]:
         """Parameter -> its max |value| after the last step (0-dim fp32; 0 for an empty shard)."""
@@ -92,10 +147,8 @@ class TritonAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("TritonAdamW.step takes no closure")
-        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         self._amaxes = {}
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
                 state = self.state[p]
@@ -103,23 +156,46 @@ class TritonAdamW(torch.optim.AdamW):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            steps = [self.state[p]["step"] for p in params]
-            if not steps:
-                continue
-            # A skipped step (found_inf) counts nothing, as in torch's fused kernel.
-            torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - found_inf)
-            amax_bits = torch.zeros(len(params), dtype=torch.int32, device=steps[0].device)
-            self._amaxes.update(zip(params, amax_bits.view(torch.float32).unbind()))
-            for p, step, amax in zip(params, steps, amax_bits.unbind()):
-                state = self.state[p]
-                tensors = [_memory(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
-                if not all(t.is_contiguous() for t in tensors):
-                    raise ValueError(f"TritonAdamW needs contiguous parameters, gradients and moments, got {p.shape}")
-                n = tensors[0].numel()
-                if not n:
-                    continue
-                _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-                    *tensors, step, grad_scale, found_inf, amax, n, group["lr"], beta1, beta2, math.log2(beta1),
-                    math.log2(beta2), group["eps"], group["weight_decay"], HAS_SCALE=grad_scale is not None,
-                    HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=8,
-                )
+            if params:
+                self._step_group(group, params)
+
+    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        steps = [self.state[p]["step"] for p in params]
+        # A skipped step (found_inf) counts nothing, as in torch's fused kernel.
+        torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - found_inf)
+        device = steps[0].device
+        amax_bits = torch.zeros(len(params), dtype=torch.int32, device=device)
+        self._amaxes.update(zip(params, amax_bits.view(torch.float32).unbind()))
+        # One launch per combination of dtypes (the kernel's pointers are typed); empty shards need none.
+        launches: dict[tuple[torch.dtype, ...], list[int]] = {}
+        memories = []
+        for i, p in enumerate(params):
+            state = self.state[p]
+            tensors = [_memory(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"])]
+            if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
+                raise ValueError(f"TritonAdamW needs contiguous, 16-byte aligned parameters, gradients and moments, got {p.shape}")
+            if tensors[2].dtype != tensors[3].dtype:
+                raise ValueError(f"TritonAdamW needs both moments in one dtype, got {tensors[2].dtype} and {tensors[3].dtype}")
+            memories.append(tensors)
+            if tensors[0].numel():
+                launches.setdefault(tuple(t.dtype for t in tensors[:3]), []).append(i)
+        beta1, beta2 = group["betas"]
+        for (p_dtype, g_dtype, s_dtype), members in launches.items():
+            numels = tuple(memories[i][0].numel() for i in members)
+            key = (numels, device)
+            if key not in self._tables:
+                self._tables[key] = _block_tables(numels, device)
+            block_param, first_block, numel = self._tables[key]
+            addresses = [memories[i][role].data_ptr() for role in range(_ROLES) for i in members]
+            # Pinned and asynchronous: the copy queues behind the backward instead of waiting for it.
+            table = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+            amax = amax_bits if len(members) == len(params) else torch.zeros(len(members), dtype=torch.int32, device=device)
+            _adamw_kernel[(block_param.numel(),)](
+                table, block_param, first_block, numel, grad_scale, found_inf, amax, len(members), group["lr"], beta1,
+                beta2, math.log2(beta1), math.log2(beta2), group["eps"], group["weight_decay"],
+                P_DTYPE=_TRITON_DTYPES[p_dtype], G_DTYPE=_TRITON_DTYPES[g_dtype], S_DTYPE=_TRITON_DTYPES[s_dtype],
+                HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=8,
+            )
+            if amax is not amax_bits:
+                amax_bits[members] = amax

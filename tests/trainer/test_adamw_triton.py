@@ -97,17 +97,18 @@ _COMPILE_FOR_HOPPER = '''
 import itertools
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from trainer.adamw_triton import BLOCK, _adamw_kernel
 
-scalars = ["n", "lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay"]
-for (has_scale, has_inf), (p, g) in itertools.product([(False, False), (True, True)], [("fp32", "fp32"), ("bf16", "bf16")]):
-    signature = {"p_ptr": f"*{p}", "g_ptr": f"*{g}", "m_ptr": f"*{p}", "v_ptr": f"*{p}", "step_ptr": "*fp32",
+scalars = ["lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay"]
+for (has_scale, has_inf), (p, g) in itertools.product([(False, False), (True, True)], [(tl.float32, tl.float32), (tl.bfloat16, tl.bfloat16)]):
+    signature = {"addr_ptr": "*i64", "block_param_ptr": "*i32", "first_block_ptr": "*i32", "numel_ptr": "*i64",
                  "grad_scale_ptr": "*fp32" if has_scale else "constexpr", "found_inf_ptr": "*fp32" if has_inf else "constexpr",
-                 "amax_ptr": "*i32", **{name: "i32" if name == "n" else "fp32" for name in scalars},
-                 "HAS_SCALE": "constexpr", "HAS_INF": "constexpr", "BLOCK": "constexpr"}
-    constexprs = {"HAS_SCALE": has_scale, "HAS_INF": has_inf, "BLOCK": BLOCK,
+                 "amax_ptr": "*i32", "n_params": "i32", **{name: "fp32" for name in scalars},
+                 **{name: "constexpr" for name in ("P_DTYPE", "G_DTYPE", "S_DTYPE", "HAS_SCALE", "HAS_INF", "BLOCK")}}
+    constexprs = {"P_DTYPE": p, "G_DTYPE": g, "S_DTYPE": p, "HAS_SCALE": has_scale, "HAS_INF": has_inf, "BLOCK": BLOCK,
                   **({} if has_scale else {"grad_scale_ptr": None}), **({} if has_inf else {"found_inf_ptr": None})}
     triton.compile(triton.compiler.ASTSource(fn=_adamw_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", 90, 32))
