@@ -151,15 +151,8 @@ def _check_2d(x: torch.Tensor) -> tuple[int, int]:
     return x.shape
 
 
-def _grid(m: int, k: int, bm: int = BLOCK_M, bk: int = BLOCK_K) -> tuple[int, int]:
-    return triton.cdiv(m, bm), triton.cdiv(k, bk)
-
-
-def _rows_tile(k: int) -> tuple[int, int, int]:
-    """(BM, BK, warps) of the rowwise kernels for rows of k: 64 x 256 tiles cast an (8192, 4096) bf16
-    tensor into both layouts in 0.161 ms where 64 x 64 take 0.268, but an (8192, 11008) one in 0.349
-    against 0.307 (one H100, 2026-12-05, gpu benchmark in docs/benchmarks.md)."""
-    return (64, 256, 8) if k <= 4096 else (BLOCK_M, BLOCK_K, 4)
+def _grid(m: int, k: int) -> tuple[int, int]:
+    return triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K)
 
 
 def _padded(sizes: list[int]) -> list[int]:
@@ -237,11 +230,10 @@ def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor:
     data = out[0] if rowmajor else None
     data_t = out[int(rowmajor)] if transposed else None
     amax, amax_t = torch.zeros(m + k, dtype=torch.int32, device=x.device).split([m, k])
-    bm, bk, warps = _rows_tile(k)
-    _amax_2d_kernel[_grid(m, k, bm, bk)](x, amax, amax_t, m, k, ROWS=rowmajor, COLS=transposed, BM=bm, BK=bk, num_warps=warps)
-    _cast_kernel[_grid(m, k, bm, bk)](
-        x, data, data_t, amax, amax_t, *_aligned_views(out[-1], [m, m, k, k]), m, k, ROWWISE=True, SCALE_GIVEN=False,
-        WRITE=rowmajor, WRITE_T=transposed, **{**_constants(x, float8_dtype, pow2), "BM": bm, "BK": bk}, num_warps=warps,
+    _amax_2d_kernel[_grid(m, k)](x, amax, amax_t, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
+    _cast_kernel[_grid(m, k)](
+        x, data, data_t, amax, amax_t, *_aligned_views(out[-1], [m, m, k, k]), m, k, ROWWISE=True,
+        SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
     )
     return out
 
