@@ -222,18 +222,25 @@ def _rows_outputs(x: torch.Tensor, float8_dtype: torch.dtype, rowmajor: bool, tr
     return [*out, torch.empty(sum(_padded([m, m, k, k])), dtype=torch.float32, device=x.device)]
 
 
+def _rows_parts(out: list[torch.Tensor], m: int, k: int, rowmajor: bool, transposed: bool) -> list[torch.Tensor | None]:
+    """`_rows_outputs`'s list as (data, data_t, row scales, their inverses, column scales, theirs),
+    the scales 1-D, None for a layout not asked for."""
+    data = out[0] if rowmajor else None
+    data_t = out[int(rowmajor)] if transposed else None
+    return [data, data_t, *_aligned_views(out[-1], [m, m, k, k])]
+
+
 def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor: bool, transposed: bool) -> list[torch.Tensor]:
     out = _rows_outputs(x, float8_dtype, rowmajor, transposed)
     m, k = x.shape
     if not x.numel():
         return out
-    data = out[0] if rowmajor else None
-    data_t = out[int(rowmajor)] if transposed else None
     amax, amax_t = torch.zeros(m + k, dtype=torch.int32, device=x.device).split([m, k])
     _amax_2d_kernel[_grid(m, k)](x, amax, amax_t, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
+    data, data_t, *scales = _rows_parts(out, m, k, rowmajor, transposed)
     _cast_kernel[_grid(m, k)](
-        x, data, data_t, amax, amax_t, *_aligned_views(out[-1], [m, m, k, k]), m, k, ROWWISE=True,
-        SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
+        x, data, data_t, amax, amax_t, *scales, m, k, ROWWISE=True, SCALE_GIVEN=False, WRITE=rowmajor,
+        WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
     )
     return out
 
@@ -259,9 +266,8 @@ def cast_rowwise_layouts(
     m, k = _check_2d(x)
     # Outside a compile the kernels are called straight: the op's dispatch costs ~25 us of host time a call.
     out = (_cast_rows_op if torch.compiler.is_compiling() else _cast_rows)(x, float8_dtype, pow2, rowmajor, transposed)
-    data = out[0] if rowmajor else None
-    data_t = out[int(rowmajor)] if transposed else None
-    row_scale, row_inv, col_scale, col_inv = (t[:, None] for t in _aligned_views(out[-1], [m, m, k, k]))
+    data, data_t, *scales = _rows_parts(out, m, k, rowmajor, transposed)
+    row_scale, row_inv, col_scale, col_inv = (t[:, None] for t in scales)
     if not rowmajor:
         row_scale = row_inv = None
     if not transposed:
