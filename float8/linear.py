@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from float8.blocks import expand_blocks
 from float8.config import Float8Config
-from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight, plain_weight
+from float8.fsdp import Float8TrainingWeight, plain_weight
+from float8.gathered import Float8GatheredWeight
 from float8.gemm import blockwise_mm, scaled_mm
 from float8.health import cast_stats, float8_bytes_stats, no_stats
 from float8.operands import (

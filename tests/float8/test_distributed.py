@@ -88,7 +88,8 @@ def _fsdp_train(all_gather: bool, steps: int = 4, cast_weights: bool = False, am
 
     import float8.fsdp
     from float8 import Float8Config, convert_to_float8_training, precompute_float8_scales_for_fsdp
-    from float8.fsdp import Float8GatheredWeight, Float8TrainingWeight
+    from float8.fsdp import Float8TrainingWeight
+    from float8.gathered import Float8GatheredWeight
 
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from float8 import Float8Config, Float8Linear, convert_to_float8_training
-from float8.fsdp import Float8GatheredWeight
+from float8.gathered import Float8GatheredWeight
 from float8.scaling import E4M3, E5M2, cast_rowwise, cast_tensorwise, from_float8
 from tests.helpers import cpu_float8_emulated, linear_step, sqnr
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from float8 import Float8Config, Float8Linear
-from float8.fsdp import Float8GatheredWeight
+from float8.gathered import Float8GatheredWeight
 from float8.recipe import HIGH_PRECISION, RECIPES, Cast, Float8Recipe, Gemm
 from tests.helpers import cpu_float8_emulated, linear_step
 

@@ -108,7 +108,7 @@ def test_health_reads_the_block_casts_and_changes_nothing():
 
 def test_health_of_a_gathered_block_scaled_weight():
     # Under the float8 all-gather the linear sees the weight's bytes and block scales only.
-    from float8.fsdp import Float8GatheredWeight
+    from float8.gathered import Float8GatheredWeight
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 128, bias=False))

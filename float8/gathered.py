@@ -1,0 +1,74 @@
+"""Float8GatheredWeight: a weight FSDP2 all-gathered in float8 (float8/fsdp.py), as Float8Linear reads it."""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+
+from float8.blocks import expand_blocks
+
+# Views of gathered float8 data (FSDP's as_strided, Parameter's detach, compile's aliases).
+_GATHERED_VIEWS = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.slice.Tensor,
+}
+
+
+class Float8GatheredWeight(torch.Tensor):
+    """An all-gathered float8 weight: e4m3 data, its fp32 scale (per `block` when given), and the
+    dtype it stands for.
+
+    Float8Linear reads `_data` and `_scale` directly. Any other op sees the
+    dequantized values, so the tensor still behaves like the weight it replaces.
+    """
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+    _block: tuple[int, int] | None
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=False,
+        )
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None):
+        self._data = data
+        self._scale = scale
+        self._block = block
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GATHERED_VIEWS:
+            w = args[0]
+            if w._block is not None and func is torch.ops.aten.t.default:
+                return cls(w._data.t(), w._scale.t(), w.dtype, w._block)
+            return cls(func(w._data, *args[1:], **kwargs), w._scale, w.dtype, w._block)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantized(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def dequantized(self) -> torch.Tensor:
+        scale = self._scale if self._block is None else expand_blocks(self._scale, self._block, self._data.shape)
+        return (self._data.float() / scale).to(self.dtype)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], (self.dtype, self._block)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return Float8GatheredWeight(inner_tensors["_data"], inner_tensors["_scale"], *ctx)
+
+    def __repr__(self) -> str:
+        return f"Float8GatheredWeight(dtype={self.dtype}, shape={tuple(self.shape)}, scale={self._scale})"
