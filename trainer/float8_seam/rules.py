@@ -138,7 +138,7 @@ class Float8Rules:
         if self.f8.fsdp_float8_all_gather and not self.all_gather:
             notes.append(
                 f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{self.f8.scaling}' (weights are "
-                "all-gathered in bf16); use scaling = 'tensorwise' or 'blockwise', or set it false"
+                "all-gathered in bf16); use scaling = 'tensorwise', 'rowwise' or 'blockwise', or set it false"
             )
         if self.recipe.weight_gatherable_in_float8 and not self.all_gather and dp_degree > 1:
             notes.append(

@@ -168,9 +168,10 @@ def test_the_seam_says_the_precision_of_the_run(monkeypatch, args, run_name, pla
     ("args", "memory"),
     [
         ({"enabled": False, "fsdp_float8_all_gather": True}, Float8Memory()),
-        ({"fsdp_float8_all_gather": True}, Float8Memory(linears=True, kept_shards=True)),
+        ({"fsdp_float8_all_gather": True}, Float8Memory(linears=True, kept_shard_bytes=1)),
+        ({"fsdp_float8_all_gather": True, "scaling": "rowwise"}, Float8Memory(linears=True, kept_shard_bytes=2)),
         ({"fsdp_float8_all_gather": True, "cast_weights_once": False}, Float8Memory(linears=True)),
-        ({"fsdp_float8_all_gather": True, "scaling": "rowwise"}, Float8Memory(linears=True)),
+        ({"fsdp_float8_all_gather": True, "scaling": "rowwise", "cast_weights_once": False}, Float8Memory(linears=True)),
         # torchao casts each weight shard at every all-gather: nothing kept between steps.
         ({"fsdp_float8_all_gather": True, "impl": "torchao"}, Float8Memory(linears=True)),
     ],
