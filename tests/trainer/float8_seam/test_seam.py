@@ -107,22 +107,21 @@ def test_float8_tp_styles_fall_back_where_torch_miscompiles_them(monkeypatch):
     assert _seam(cfg).tp_styles().colwise is Float8ColwiseParallel
 
 
-@pytest.mark.parametrize(("scaling", "precomputes"), [("tensorwise", True), ("rowwise", False)])
-def test_post_optimizer_step_precomputes_scales_only_for_the_float8_all_gather(monkeypatch, scaling, precomputes):
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_post_optimizer_step_precomputes_scales_only_for_the_float8_all_gather(monkeypatch, scaling):
     calls = []
     monkeypatch.setattr(float8_training, "precompute_float8_scales_for_fsdp",
                         lambda model, cast_weights, amaxes: calls.append((model, cast_weights, amaxes)))
     seam = _seam(_cfg(scaling=scaling, fsdp_float8_all_gather=True))
-    # A rowwise recipe cannot gather its weights in float8: the setting is dropped (and advised about).
-    assert seam.config.fsdp_float8_all_gather == precomputes
+    assert seam.config.fsdp_float8_all_gather
     model = torch.nn.Linear(16, 16)
     amaxes = {model.weight: torch.ones(())}  # the optimizer's, handed on
     seam.post_optimizer_step(model, amaxes)
-    assert calls == ([(model, True, amaxes)] if precomputes else [])
+    assert calls == [(model, True, amaxes)]
     _seam(_cfg(scaling=scaling, fsdp_float8_all_gather=True, cast_weights_once=False)).post_optimizer_step(model)
-    assert calls[1:] == ([(model, False, None)] if precomputes else [])
+    assert calls[1:] == [(model, False, None)]
     _seam(_cfg(scaling=scaling)).post_optimizer_step(model)
-    assert len(calls) == 2 * int(precomputes)
+    assert len(calls) == 2
 
 
 @pytest.mark.version_specific
