@@ -57,36 +57,32 @@ def _kernels(shard: torch.Tensor) -> Any:
     return cast
 
 
-def _amaxes(shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    kernels = _kernels(shard)
-    if kernels is not None:
-        return kernels.rowwise_amaxes(shard)
-    magnitude = shard.abs().float()
-    return magnitude.amax(dim=1), magnitude.amax(dim=0)
-
-
 @torch.no_grad()
 def row_scales(shards: Sequence[torch.Tensor], cast: Cast, group: dist.ProcessGroup | None, ranks: int) -> list[RowScales]:
     """Each shard's `RowScales`: one all-reduce of every shard's column amaxes and one all-gather of
-    their row amaxes over `group` for all of them (every rank passes the same weights in one order)."""
-    amaxes = [_amaxes(s) for s in shards]
-    cols = torch.cat([c for _, c in amaxes])
-    rows = torch.cat([r for r, _ in amaxes])
+    their row amaxes over `group` for all of them (every rank passes the same weights in one order).
+    The amaxes share one buffer and each scale is computed once for all: a step's host time is
+    one kernel launch per shard here."""
+    rows_of, cols_of = [s.shape[0] for s in shards], [s.shape[1] for s in shards]
+    rows, cols = torch.zeros(sum(rows_of) + sum(cols_of), device=shards[0].device).split([sum(rows_of), sum(cols_of)])
+    row_amaxes, col_amaxes = rows.split(rows_of), cols.split(cols_of)
+    for shard, row_amax, col_amax in zip(shards, row_amaxes, col_amaxes):
+        kernels = _kernels(shard)
+        if kernels is not None:
+            kernels.rowwise_amaxes(shard, out=(row_amax, col_amax))
+        else:
+            magnitude = shard.abs().float()
+            row_amax.copy_(magnitude.amax(dim=1))
+            col_amax.copy_(magnitude.amax(dim=0))
     if ranks > 1:
         dist.all_reduce(cols, op=dist.ReduceOp.MAX, group=group)
         everyone = rows.new_empty(ranks * rows.numel())
         dist.all_gather_into_tensor(everyone, rows, group=group)
         rows = everyone
-    by_rank = rows.view(ranks, -1)
-    out, row_at, col_at = [], 0, 0
-    for row_amax, col_amax in amaxes:
-        n, k = row_amax.numel(), col_amax.numel()
-        col = cols[col_at:col_at + k]
-        whole_rows = by_rank[:, row_at:row_at + n].reshape(-1)
-        out.append(RowScales(row_amax, col, amax_to_scale(whole_rows, cast.dtype, cast.pow2)[:, None],
-                             amax_to_scale(col, cast.dtype, cast.pow2)[:, None]))
-        row_at, col_at = row_at + n, col_at + k
-    return out
+    row_scales_ = amax_to_scale(rows.view(ranks, -1), cast.dtype, cast.pow2).split(rows_of, dim=1)
+    col_scales = amax_to_scale(cols, cast.dtype, cast.pow2)[:, None].split(cols_of)
+    return [RowScales(row_amax, col_amax, row_scale.reshape(-1, 1), col_scale)
+            for row_amax, col_amax, row_scale, col_scale in zip(row_amaxes, col_amaxes, row_scales_, col_scales)]
 
 
 def _split(buffer: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
