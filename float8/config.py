@@ -25,7 +25,7 @@ class Float8Config:
         `Float8LinearRecipeName` members) are accepted too. docs/float8/library.md tabulates every cast.
         `recipe` is the resolved `Float8Recipe`.
     emulate: float8 rounding with high-precision GEMMs, for hardware without float8 GEMMs.
-    fsdp_float8_all_gather: FSDP2 all-gathers weights as float8 (tensorwise, rowwise, rowwise_gw_hp, blockwise).
+    fsdp_float8_all_gather: FSDP2 all-gathers weights as float8 (tensorwise, blockwise).
     filter_fqns: skip modules whose fully qualified name contains any of these strings; the
         output layer by default (its logits feed the softmax directly: float8 costs accuracy
         there and saves little).
@@ -87,6 +87,5 @@ class Float8Config:
         if self.fsdp_float8_all_gather and not recipe.weight_gatherable_in_float8:
             raise ValueError(
                 "Float8Config.fsdp_float8_all_gather needs a recipe that casts the weight to e4m3 alike in both GEMMs "
-                "that read it, per tensor, per row along each one's summed dim or in square blocks (scaling='tensorwise', "
-                f"'rowwise', 'rowwise_gw_hp' or 'blockwise'), got scaling={recipe.name!r}"
+                f"that read it, per tensor or in square blocks (scaling='tensorwise' or 'blockwise'), got scaling={recipe.name!r}"
             )

@@ -39,14 +39,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from float8.fsdp_blocks import BlockSharding, block_shard_dim, gather_block_scales
-from float8.fsdp_rows import (
-    RowScales,
-    cast_shard,
-    check_even_rows,
-    gathered_casts,
-    precompute_row_scales,
-    row_scales,
-)
 from float8.gathered import Float8GatheredWeight
 from float8.operands import cast_weight_with_scale, eager_backend, operand
 from float8.recipe import Cast
@@ -80,14 +72,13 @@ class Float8TrainingWeight(torch.Tensor):
     """A high-precision weight (or shard) that FSDP2 all-gathers as float8."""
 
     _tensor: torch.Tensor
-    _precomputed_scale: torch.Tensor | RowScales | None
+    _precomputed_scale: torch.Tensor | None
     # The shard cast with `_precomputed_scale`, set with it (cast_weights=True) after the
-    # optimizer step, so the all-gathers of a step share one cast (a row-scaled shard's two, in
-    # one buffer). Rewritten in place each step: a single-rank unshard keeps its storage as the
-    # unsharded weight's bytes.
+    # optimizer step, so the all-gathers of a step share one cast. Rewritten in place each
+    # step: a single-rank unshard keeps its storage as the unsharded weight's bytes.
     _float8_shard: torch.Tensor | None
-    # A block- or row-scaled weight's (forward) cast (None: one scale per tensor), and once FSDP
-    # asked `fsdp_shard_dim`, where a block-scaled one is sharded; both carried to every shard and view.
+    # A block-scaled weight's cast (None: one scale per tensor), and once FSDP asked
+    # `fsdp_shard_dim`, where it is sharded; both carried to every shard and view.
     _cast: Cast | None
     _sharding: BlockSharding | None
 
@@ -139,9 +130,6 @@ class Float8TrainingWeight(torch.Tensor):
         (`block_shard_dim`: one-line ValueError where none does). `fsdp_shard_placement` asks it."""
         if self._cast is None:
             return 0
-        if self.row_scaled:
-            check_even_rows(self.shape[0], ranks)
-            return 0
         dim = block_shard_dim(self.shape, self._cast.block, ranks)
         self._sharding = BlockSharding(self._cast, dim, ranks, tuple(self.shape))
         return dim
@@ -160,11 +148,6 @@ class Float8TrainingWeight(torch.Tensor):
         return f"Float8TrainingWeight({self._tensor})"
 
     @property
-    def row_scaled(self) -> bool:
-        """Scaled per row and per column (float8/fsdp_rows.py), rather than per tensor or per block."""
-        return self._cast is not None and self._cast.block is None
-
-    @property
     def fsdp_all_gather_input_is_kept(self) -> bool:
         """Whether `fsdp_pre_all_gather` hands on the kept float8 shard: bytes that stay valid,
         in the same storage, until the next optimizer step rewrites them in place."""
@@ -181,13 +164,6 @@ class Float8TrainingWeight(torch.Tensor):
         # Defaults make both FSDP call conventions work: (mesh) and
         # (mesh, outer_size, outer_stride, module, mp_policy).
         scale, data = self._precomputed_scale, self._float8_shard
-        if self.row_scaled:
-            if scale is None:
-                if outer_size is not None and mesh.ndim == 1:
-                    check_even_rows(outer_size[0], mesh.size())
-                scale = row_scales([self._tensor], self._cast, mesh.get_group(), mesh.size())[0]
-            data = cast_shard(self._tensor, scale, self._cast) if data is None else data
-            return (data.view(torch.uint8),), (scale,)
         if self._cast is not None and data is None:
             sharding = self.block_sharding(mesh.size(), outer_size if mesh.ndim == 1 else None)
             data, local_scale, _ = operand(self._tensor, self._cast, eager_backend(self.device.type, "auto"))
@@ -215,10 +191,8 @@ class Float8TrainingWeight(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ):
-        (scale,) = metadata
-        if isinstance(scale, RowScales):
-            return self._post_all_gather_rows(all_gather_outputs, scale, param_dtype, out)
         (data,) = all_gather_outputs
+        (scale,) = metadata
         if out is not None:
             # Later all-gathers refill the same storage in place; only the scale is new. A
             # single-rank unshard that switches between copying the bytes and using the kept
@@ -230,24 +204,6 @@ class Float8TrainingWeight(torch.Tensor):
             return None
         data = data.view(E4M3)
         return Float8GatheredWeight(data, scale, param_dtype, None if self._cast is None else self._cast.block), (data,)
-
-    def _post_all_gather_rows(self, outputs: tuple[torch.Tensor, ...], scales: RowScales, param_dtype: torch.dtype,
-                              out: torch.Tensor | None):
-        gathered = outputs[0].view(E4M3)
-        (n, k), ranks = self._tensor.shape, gathered.numel() // (2 * self._tensor.numel())
-        if out is None:
-            rows, cols = gathered_casts(gathered, ranks, n, k)
-            # FSDP frees (and allocates again) these storages between all-gathers: the gathered
-            # buffer itself at one rank, the copies at several.
-            inner = (gathered,) if ranks == 1 else (rows, cols)
-            return Float8GatheredWeight(rows, scales.rows, param_dtype, cols=cols, cols_scale=scales.cols), inner
-        weight = out._local_tensor if isinstance(out, DTensor) else out
-        weight._scale, weight._cols_scale = scales.rows, scales.cols
-        if ranks > 1:
-            gathered_casts(gathered, ranks, n, k, out=(weight._data, weight._cols))
-        elif gathered.data_ptr() != weight._data.data_ptr():
-            weight._data, weight._cols = gathered_casts(gathered, 1, n, k)
-        return None
 
 
 def plain_weight(t: torch.Tensor) -> torch.Tensor:
@@ -280,11 +236,10 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
         return
     by_mesh: dict[Any, list[DTensor]] = {}
     for w in weights:
-        kind = "rows" if w._local_tensor.row_scaled else "blocks" if w._local_tensor._cast is not None else "tensor"
-        by_mesh.setdefault((w.device_mesh, _fsdp_shard_dim(w), kind), []).append(w)
-    for (mesh, shard_dim, kind), group in by_mesh.items():
-        if kind != "tensor":
-            (precompute_row_scales if kind == "rows" else _precompute_block_scales)(mesh, shard_dim, group, cast_weights)
+        by_mesh.setdefault((w.device_mesh, _fsdp_shard_dim(w), w._local_tensor._cast is not None), []).append(w)
+    for (mesh, shard_dim, blocked), group in by_mesh.items():
+        if blocked:
+            _precompute_block_scales(mesh, shard_dim, group, cast_weights)
             continue
         shards = [w._local_tensor._tensor for w in group]
         known = amaxes or {}

@@ -20,23 +20,19 @@ _GATHERED_VIEWS = {
 
 
 class Float8GatheredWeight(torch.Tensor):
-    """An all-gathered float8 weight: e4m3 data, its fp32 scale (per `block` when given, or per
-    row, (N, 1)), and the dtype it stands for; a row-scaled one also carries its column-scaled
-    copy, transposed (K, N), with those scales (K, 1), for the grad_input GEMM (float8/fsdp_rows.py).
+    """An all-gathered float8 weight: e4m3 data, its fp32 scale (per `block` when given), and the
+    dtype it stands for.
 
-    Float8Linear reads `_data` and `_scale` (and `_cols`, `_cols_scale`) directly. Any other op
-    sees the dequantized values, so the tensor still behaves like the weight it replaces.
+    Float8Linear reads `_data` and `_scale` directly. Any other op sees the
+    dequantized values, so the tensor still behaves like the weight it replaces.
     """
 
     _data: torch.Tensor
     _scale: torch.Tensor
     _block: tuple[int, int] | None
-    _cols: torch.Tensor | None
-    _cols_scale: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None,
-                cols: torch.Tensor | None = None, cols_scale: torch.Tensor | None = None):
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -47,12 +43,10 @@ class Float8GatheredWeight(torch.Tensor):
             requires_grad=False,
         )
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None,
-                 cols: torch.Tensor | None = None, cols_scale: torch.Tensor | None = None):
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None):
         self._data = data
         self._scale = scale
         self._block = block
-        self._cols, self._cols_scale = cols, cols_scale
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -61,7 +55,7 @@ class Float8GatheredWeight(torch.Tensor):
             w = args[0]
             if w._block is not None and func is torch.ops.aten.t.default:
                 return cls(w._data.t(), w._scale.t(), w.dtype, w._block)
-            return cls(func(w._data, *args[1:], **kwargs), w._scale, w.dtype, w._block, w._cols, w._cols_scale)
+            return cls(func(w._data, *args[1:], **kwargs), w._scale, w.dtype, w._block)
         args, kwargs = pytree.tree_map_only(cls, lambda t: t.dequantized(), (args, kwargs))
         return func(*args, **kwargs)
 
@@ -70,12 +64,11 @@ class Float8GatheredWeight(torch.Tensor):
         return (self._data.float() / scale).to(self.dtype)
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"] + (["_cols", "_cols_scale"] if self._cols is not None else []), (self.dtype, self._block)
+        return ["_data", "_scale"], (self.dtype, self._block)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        return Float8GatheredWeight(inner_tensors["_data"], inner_tensors["_scale"], *ctx,
-                                    inner_tensors.get("_cols"), inner_tensors.get("_cols_scale"))
+        return Float8GatheredWeight(inner_tensors["_data"], inner_tensors["_scale"], *ctx)
 
     def __repr__(self) -> str:
         return f"Float8GatheredWeight(dtype={self.dtype}, shape={tuple(self.shape)}, scale={self._scale})"

@@ -25,7 +25,6 @@ from float8.operands import (
     transposed,
 )
 from float8.recipe import Cast, Float8Recipe, Gemm
-from float8.scaling import E4M3
 
 
 def _pad_summed_dim(a: Operand, b: Operand) -> tuple[Operand, Operand]:
@@ -101,9 +100,7 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.probed = health_probe is not None
         health = (torch.stack([_stats(x, x_op, recipe.output.lhs), _stats(w, w_op, recipe.output.rhs)]),) \
             if ctx.probed else ()
-        # A row-scaled gathered weight brings its grad_input operand along, transposed and scaled per column.
-        ctx.w_cols = ctx.gathered and w._cols is not None
-        w_kept = (w._cols, w._cols_scale, None) if ctx.w_cols else (w_op.data, w_op.scale, w_op.inv) if ctx.gathered else \
+        w_kept = (w_op.data, w_op.scale, w_op.inv) if ctx.gathered else \
             (w, w_op.scale, w_op.inv) if ctx.w_shared else (w, None, None)
         ctx.save_for_backward(*x_gw, *w_kept, *health)
         return out.reshape(*x_shape[:-1], out.shape[-1])
@@ -117,9 +114,7 @@ class _Float8Matmul(torch.autograd.Function):
         x_gw_data, x_gw_scale, x_gw_inv, w, w_scale, w_inv, *health = ctx.saved_tensors
         g = g.reshape(-1, g.shape[-1]).contiguous()
         g_op, g_gw, g_transposed_later = operands_both(g, recipe.grad_input.lhs, recipe.grad_weight.lhs, backend)
-        if ctx.w_cols:
-            w_op = Operand(w, w_scale, w_inv)
-        elif ctx.gathered:
+        if ctx.gathered:
             w_op = transposed(Operand(w, w_scale, w_inv), backend)
         elif ctx.w_shared:
             # The forward's scale (or square blocks' scales), cast straight into the transposed layout.
@@ -207,8 +202,8 @@ class Float8Linear(nn.Linear):
         new.train(linear.training)
         if config.fsdp_float8_all_gather:
             new.weight = nn.Parameter(
-                # Block- and row-scaled weights' shards cast themselves (float8/fsdp_blocks.py, fsdp_rows.py).
-                Float8TrainingWeight(linear.weight.data, cast=None if config.recipe.output.rhs == Cast(E4M3) else config.recipe.output.rhs),
+                # A block-scaled weight's shards cast their own blocks (float8/fsdp_blocks.py).
+                Float8TrainingWeight(linear.weight.data, cast=config.recipe.output.rhs if config.recipe.weight_blocks else None),
                 requires_grad=linear.weight.requires_grad
             )
             new._register_state_dict_hook(_plain_weight_in_state_dict)

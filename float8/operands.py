@@ -94,7 +94,7 @@ def _block_kernels():
     return blocks
 
 
-def uses_kernels(t: torch.Tensor, backend: str, spec: Cast | None = None, transposed: bool = False) -> bool:
+def _uses_kernels(t: torch.Tensor, backend: str, spec: Cast | None = None, transposed: bool = False) -> bool:
     """Whether the kernels cast `t` (into a layout that includes the transposed one if `transposed`)."""
     blocks = spec is not None and spec.block is not None
     columns = transposed and spec is not None and spec.amax_over is not None
@@ -124,7 +124,7 @@ def operand(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
     """A 2-D `t` whose last dim the GEMM sums over, cast for it."""
     if spec.dtype is None:
         return Operand(t)
-    if uses_kernels(t, backend, spec):
+    if _uses_kernels(t, backend, spec):
         return _kernel_operands(t, spec, rowmajor=True, transposed=False)[0]
     fused = backend == "compiled"
     if spec.block is not None:
@@ -138,7 +138,7 @@ def operand_t(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
     """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout."""
     if spec.dtype is None:
         return Operand(t.t())
-    if uses_kernels(t, backend, spec, transposed=True):
+    if _uses_kernels(t, backend, spec, transposed=True):
         return _kernel_operands(t, spec, rowmajor=False, transposed=True)[1]
     fused = backend == "compiled"
     if spec.block is not None:
@@ -174,7 +174,7 @@ def operands_both(t: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str) -
     Otherwise one per-tensor cast serves both and the transposed copy waits for the caller
     (a backward, when it needs it); else each is cast on its own.
     """
-    if uses_kernels(t, backend, row_cast, transposed=True) and _one_kernel_pass(row_cast, t_cast):
+    if _uses_kernels(t, backend, row_cast, transposed=True) and _one_kernel_pass(row_cast, t_cast):
         rows, cols = _kernel_operands(t, row_cast, rowmajor=True, transposed=True)
         return rows, cols, False
     rows = operand(t, row_cast, backend)
@@ -193,7 +193,7 @@ def transposed(op: Operand, backend: str) -> Operand:
         return Operand(data.t())
     if scale.ndim == 2:
         scale, inv = scale.t(), None if inv is None else inv.t()
-    if uses_kernels(data, backend):
+    if _uses_kernels(data, backend):
         return Operand(_kernels().transpose(data), scale, inv)
     return Operand(data.t().contiguous(), scale, inv)
 
@@ -201,10 +201,10 @@ def transposed(op: Operand, backend: str) -> Operand:
 def cast_t_with_scale(t: torch.Tensor, scale: torch.Tensor, spec: Cast, backend: str) -> torch.Tensor:
     """`t.T`, row-major, cast with a known per-tensor scale, or known scales of `spec`'s square blocks."""
     if spec.block is not None:
-        if uses_kernels(t, backend, spec):
+        if _uses_kernels(t, backend, spec):
             return _block_kernels().cast_blockwise_layouts(t, spec.block, spec.dtype, scale=scale, rowmajor=False, transposed=True)[1]
         return cast_blocks_with_scale(t, scale, spec.block, spec.dtype, fused=backend == "compiled").t().contiguous()
-    if uses_kernels(t, backend):
+    if _uses_kernels(t, backend):
         return _kernels().cast_tensorwise_layouts(t, spec.dtype, scale=scale, rowmajor=False, transposed=True)[1]
     return cast_tensorwise_t(t, scale, spec.dtype, fused=backend == "compiled")
 
@@ -214,7 +214,7 @@ def cast_weight_with_scale(
 ) -> torch.Tensor:
     """A weight (shard) cast with its known scale, outside any compile (FSDP's pre-all-gather):
     one kernel on CUDA where Triton imports, eager ops elsewhere; written into `out` if given."""
-    if uses_kernels(t, eager_backend(t.device.type, "auto")):
+    if _uses_kernels(t, eager_backend(t.device.type, "auto")):
         return _kernels().cast_tensorwise_layouts(t, float8_dtype, scale=scale, out=out)[0]
     data = cast_with_scale(t, scale, float8_dtype)
     return data if out is None else out.copy_(data)

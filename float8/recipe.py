@@ -128,19 +128,11 @@ class Float8Recipe:
         return fwd.block if same else None
 
     @property
-    def weight_rows(self) -> bool:
-        """Both GEMMs that read the weight scale it per slice along their summed dim, e4m3 with one
-        rounding (per row for the output GEMM, per column for grad_input): each FSDP shard casts
-        itself both ways (float8/fsdp_rows.py)."""
-        fwd, bwd = self.output.rhs, self.grad_input.rhs
-        return fwd.dtype == E4M3 and fwd.block is None and fwd.amax_over == "in" and bwd == dataclasses.replace(fwd, amax_over="out")
-
-    @property
     def weight_gatherable_in_float8(self) -> bool:
         """Both GEMMs that read the weight take it as FSDP's float8 all-gather makes it
         (float8/fsdp.py): e4m3, one scale per tensor, not rounded to a power of two; or e4m3
-        in the same square blocks (`weight_blocks`); or per row and per column (`weight_rows`)."""
-        return self.output.rhs == self.grad_input.rhs == Cast(E4M3) or self.weight_blocks is not None or self.weight_rows
+        in the same square blocks (`weight_blocks`)."""
+        return self.output.rhs == self.grad_input.rhs == Cast(E4M3) or self.weight_blocks is not None
 
     @property
     def activations_gatherable_in_float8(self) -> bool:

@@ -275,36 +275,6 @@ def cast_rowwise_layouts(
     return data, data_t, row_scale, row_inv, col_scale, col_inv
 
 
-def rowwise_amaxes(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """max |x| of every row (M,) and of every column (K,), fp32, in one read; into `out` (zeroed
-    contiguous fp32 vectors) if given."""
-    m, k = _check_2d(x)
-    rows, cols = out if out is not None else torch.zeros(m + k, dtype=torch.float32, device=x.device).split([m, k])
-    if x.numel():
-        _amax_2d_kernel[_grid(m, k)](x, rows.view(torch.int32), cols.view(torch.int32), m, k, ROWS=True, COLS=True,
-                                     BM=BLOCK_M, BK=BLOCK_K)
-    return rows, cols
-
-
-def cast_rowwise_with_amaxes(
-    x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, row_amax: torch.Tensor, col_amax: torch.Tensor,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x cast with the scales of given amaxes (contiguous fp32), per row (M,) row-major and per column
-    (K,) transposed: (data (M, K), data_t (K, M)), written into `out` if given. The amaxes may come
-    from more than x (a weight shard's columns, reduced over every shard)."""
-    m, k = _check_2d(x)
-    data, data_t = out if out is not None else (torch.empty(m, k, dtype=float8_dtype, device=x.device),
-                                                torch.empty(k, m, dtype=float8_dtype, device=x.device))
-    if x.numel():
-        scales = _aligned_parts([m, m, k, k], torch.float32, x.device)
-        _cast_kernel[_grid(m, k)](
-            x, data, data_t, row_amax.view(torch.int32), col_amax.view(torch.int32), *scales, m, k, ROWWISE=True,
-            SCALE_GIVEN=False, WRITE=True, WRITE_T=True, **_constants(x, float8_dtype, pow2),
-        )
-    return data, data_t
-
-
 def transpose(data: torch.Tensor) -> torch.Tensor:
     """data.t().contiguous() of a 2-D float8 (or any 1-byte) tensor, at copy bandwidth."""
     m, k = _check_2d(data)

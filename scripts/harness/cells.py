@@ -23,7 +23,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from float8.recipe import RECIPES
 from trainer.config import CompileMode, Float8Impl, Float8Scaling
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,14 +39,6 @@ def precision_label(precision: str, impl: str = DEFAULT_IMPL) -> str:
     return precision if precision == BASELINE or impl == DEFAULT_IMPL else f"{precision}-{impl}"
 
 
-def _gathers_in_float8(precision: str, impl: str) -> bool:
-    """Whether FSDP can all-gather this cell's weights in float8: ours for every recipe whose weight
-    casts allow it, torchao for tensorwise only."""
-    if precision == BASELINE:
-        return False
-    return precision == "tensorwise" or (impl == DEFAULT_IMPL and RECIPES[precision].weight_gatherable_in_float8)
-
-
 def cell_overrides(precision: str, compile_mode: str, steps: int, dump_folder: str,
                    profile_step: int | None = None, impl: str | None = None) -> list[str]:
     """train.py options that define a cell; they come after the user's, so they win. `impl` sets
@@ -58,9 +49,9 @@ def cell_overrides(precision: str, compile_mode: str, steps: int, dump_folder: s
         args += ["--float8.scaling", precision]
         if impl is not None:
             args += ["--float8.impl", impl]
-    if not _gathers_in_float8(precision, impl or DEFAULT_IMPL):
-        # A config that turns the float8 all-gather on (7b_fp8.toml) must not carry it into the
-        # cells whose recipe and implementation have none, where the advisor would flag it.
+    if precision not in ("tensorwise", "blockwise"):
+        # float8 all-gather exists for these recipes only; a config that turns it on (7b_fp8.toml)
+        # must not carry it into the other cells, where the advisor would flag it.
         args += ["--float8.fsdp_float8_all_gather", "false"]
     profiling = ["--profiling.enable", "false"]
     if profile_step is not None:

@@ -19,7 +19,6 @@ from float8 import Float8Config, Float8Linear
 from float8.scaling import (
     E4M3,
     E5M2,
-    amax_to_scale,
     cast_colwise_t,
     cast_rowwise,
     cast_tensorwise,
@@ -138,21 +137,6 @@ def test_rowwise_kernels_match_reference(shape, dtype, case):
     assert cols_only[0] is None and cols_only[2] is None
     assert torch.equal(_bytes(cols_only[1]), _bytes(data_t))
     _assert_same_scales(cols_only[4], col_scale)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rowwise_cast_with_given_amaxes_matches_reference(dtype):
-    """FSDP's row-scaled weight shards (float8/fsdp_rows.py): amaxes in one read, then both casts with
-    the column amaxes of the whole weight, which exceed the shard's own."""
-    x = _inputs((65, 130), "random").to(dtype)
-    row_amax, col_amax = kernels.rowwise_amaxes(x)
-    assert torch.equal(row_amax, x.abs().float().amax(1)) and torch.equal(col_amax, x.abs().float().amax(0))
-    col_amax = col_amax * 3
-    out = torch.empty(65, 130, dtype=E4M3), torch.empty(130, 65, dtype=E4M3)
-    data, data_t = kernels.cast_rowwise_with_amaxes(x, E4M3, True, row_amax, col_amax, out)
-    assert data is out[0] and data_t is out[1]
-    _assert_same_float8(data, _scaled(x, amax_to_scale(row_amax, E4M3, True)[:, None], E4M3), E4M3)
-    _assert_same_float8(data_t, _scaled(x, amax_to_scale(col_amax, E4M3, True)[None, :], E4M3).t(), E4M3)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 200), (129, 65), (64, 64)])

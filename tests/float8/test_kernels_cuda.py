@@ -96,22 +96,6 @@ def test_weight_cast_and_transpose_bitwise(shape):
     assert torch.equal(_bytes(kernels.transpose(data)), _bytes(ref.t()))
 
 
-@pytest.mark.parametrize("shape", [(2048, 4096), (5504, 4096), (3, 100)])
-def test_row_scaled_weight_shard_casts_bitwise(shape):
-    """FSDP's row-scaled fp32 weight shard (float8/fsdp_rows.py) cast with the whole weight's column amaxes."""
-    from float8.kernels import cast as kernels
-
-    w = _inputs(shape, "random", torch.float32)
-    row_amax, col_amax = kernels.rowwise_amaxes(w)
-    col_amax = col_amax * 2  # a column's amax over every shard
-    data, data_t = kernels.cast_rowwise_with_amaxes(w, E4M3, True, row_amax, col_amax)
-    ref_rows, _ = cast_rowwise(w, -1, E4M3, True, fused=False)
-    assert torch.equal(_bytes(data), _bytes(ref_rows))
-    whole = torch.cat([w, (w.abs().amax(0, keepdim=True) * 2)])  # a row that carries those amaxes
-    ref_cols, _ = cast_colwise_t(whole, E4M3, True, fused=False)
-    assert torch.equal(_bytes(data_t), _bytes(ref_cols[:, : shape[0]]))
-
-
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "rowwise_gw_hp"])
 def test_linear_with_kernels_is_bitwise_the_plain_and_compiled_casts(scaling):
     torch.manual_seed(0)

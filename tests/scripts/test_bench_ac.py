@@ -33,7 +33,7 @@ def _fake_run(monkeypatch, rc: int = 0, stderr: list[str] | None = None, records
 def test_cell_args_make_the_cell_and_leave_the_last_word_to_the_user(tmp_path):
     base = _opts(tmp_path, "--training.steps", "4")
     cfg = build_config(bench_ac.cell_args(base, "rowwise", "block", "selective", tmp_path))
-    assert cfg.float8.enabled and cfg.float8.scaling == "rowwise" and cfg.float8.fsdp_float8_all_gather
+    assert cfg.float8.enabled and cfg.float8.scaling == "rowwise" and not cfg.float8.fsdp_float8_all_gather
     assert cfg.compile.mode == "block" and cfg.activation_checkpoint.mode == "selective"
     assert (cfg.model.n_layers, cfg.training.batch_size, cfg.training.seq_len) == (2, 2, 64)
     assert cfg.training.steps == 4  # the arguments after `--` come last

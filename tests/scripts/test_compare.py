@@ -146,16 +146,13 @@ def test_cell_overrides_win_over_user_and_config(tmp_path):
     base = ["--config", "configs/debug.toml", "--float8.fsdp_float8_all_gather", "true"]
     cfg = build_config([*base, *cells.cell_overrides("rowwise", "block", 5, str(tmp_path))])
     assert cfg.float8.enabled and cfg.float8.scaling == "rowwise"
+    assert not cfg.float8.fsdp_float8_all_gather  # tensorwise and blockwise only, off for the other cells
     assert cfg.compile.mode == "block" and cfg.training.steps == 5 and cfg.metrics.log_freq == 1
     assert cfg.job.dump_folder == str(tmp_path) and cfg.job.run_name == "rowwise-block"
     assert not cfg.checkpoint.enable and not cfg.profiling.enable
-    for recipe in ("tensorwise", "rowwise", "rowwise_gw_hp", "blockwise"):
+    for recipe in ("tensorwise", "blockwise"):
         gathers = build_config([*base, *cells.cell_overrides(recipe, "none", 5, str(tmp_path))])
         assert gathers.float8.fsdp_float8_all_gather  # the user's choice stands where the recipe has it
-    # torchao all-gathers tensorwise weights only: off for its other cells.
-    for recipe, gathers in (("tensorwise", True), ("rowwise", False)):
-        cfg = build_config([*base, *cells.cell_overrides(recipe, "none", 5, "x", impl="torchao")])
-        assert cfg.float8.fsdp_float8_all_gather == gathers, recipe
     bf16 = build_config([*base, "--float8.enabled", "true", *cells.cell_overrides("bf16", "model", 5, "x")])
     assert not bf16.float8.enabled and bf16.compile.mode == "model"
 

@@ -103,7 +103,7 @@ class Float8TrainingConfig:
     enabled: bool = _opt(False, "Convert eligible nn.Linear layers to float8 training linears.")
     scaling: Float8Scaling = _opt("tensorwise", "Scaling recipe.")
     emulate: bool = _opt(False, "Emulate float8 GEMMs in high precision (for hardware without float8 GEMMs; slow).")
-    fsdp_float8_all_gather: bool = _opt(False, "All-gather weights in float8 under FSDP (tensorwise, blockwise: halves weight traffic; rowwise: both its casts, no cast in the step).")
+    fsdp_float8_all_gather: bool = _opt(False, "All-gather weights in float8 under FSDP (tensorwise, blockwise); halves weight traffic.")
     # Trainer-only: an argument of the post-step call, not a Float8Config field.
     cast_weights_once: bool = _opt(
         True,

@@ -6,10 +6,9 @@ T = batch x seq / tp tokens per micro-batch (TP's sequence-parallel parts hold 1
 
     state       = P x (4 fp32 master + 8 AdamW) / (dp x tp)  + one block's gathered weights
                   (1 byte/param with float8, else the param dtype's bytes)
-                + L x block params x k / (dp x tp)              (float8 all-gather with
+                + L x block params x 1 / (dp x tp)              (float8 all-gather with
                                                                  float8.cast_weights_once: the kept
-                                                                 float8 shards, k bytes a parameter:
-                                                                 2 for rowwise's two casts, else 1)
+                                                                 float8 shards)
     activations = L x T x dim x C[AC mode]                      (C below; AC full: block inputs
                                                                  only, plus one block's full set)
                 + T x vocab x (2 + 4 + 4)                       (bf16 logits, their fp32 upcast and
@@ -93,9 +92,8 @@ class Float8Memory:
 
     # Float8 linears: 1 byte per gathered weight parameter, and their activation bytes.
     linears: bool = False
-    # Bytes a parameter of the float8 weight shards kept from one optimizer step to the next (ours,
-    # float8.cast_weights_once): 1, or 2 for a row-scaled weight's two casts; 0 when none are kept.
-    kept_shard_bytes: int = 0
+    # Float8 weight shards kept from one optimizer step to the next (ours, float8.cast_weights_once).
+    kept_shards: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,13 +119,14 @@ class MemoryEstimate:
 def estimate(
     args: LlamaArgs, *, batch_size: int, seq_len: int, ac_mode: str, float8: bool, param_bytes: int = 2,
     dp: int = 1, tp: int = 1, packed: bool = False, device_type: str = "cuda", attention_kernel: str = "sdpa",
-    loss_parallel: bool = True, kept_float8_shard_bytes: int = 0,
+    loss_parallel: bool = True, kept_float8_shards: bool = False,
 ) -> MemoryEstimate:
     """The peak memory per GPU of one micro-batch (the formula in the module docstring)."""
     total_params, block_params = n_params(args)
     shards = max(dp, 1) * max(tp, 1)
     state = total_params * (4 + 8) / shards + block_params * (1 if float8 else param_bytes)
-    state += kept_float8_shard_bytes * args.n_layers * block_params / shards
+    if kept_float8_shards:
+        state += args.n_layers * block_params / shards
     grads = total_params * 4 / shards
     tokens = batch_size * seq_len / max(tp, 1)
     scale = param_bytes / 2
@@ -162,7 +161,7 @@ def estimate_for(
         args, batch_size=t.batch_size, seq_len=t.seq_len, ac_mode=cfg.activation_checkpoint.mode,
         float8=float8.linears, param_bytes=param_bytes, dp=dp, tp=tp,
         packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type, attention_kernel=args.attention,
-        loss_parallel=vocab_sharded_logits, kept_float8_shard_bytes=float8.kept_shard_bytes,
+        loss_parallel=vocab_sharded_logits, kept_float8_shards=float8.kept_shards,
     )
 
 

@@ -27,7 +27,6 @@ from float8.autofilter import AUTO_RULE, Timer, describe_shapes
 from float8.convert import FILTER_FQNS, TensorParallelAlignment, all_of
 from float8.health import Float8HealthMonitor, HealthReport
 from float8.operands import eager_backend
-from float8.recipe import RECIPES
 from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from trainer.config import Float8TrainingConfig
 from trainer.distributed.memory_plan import Float8Memory
@@ -104,8 +103,7 @@ class OursFloat8Training(Float8Rules):
     @classmethod
     def memory(cls, f8: Float8TrainingConfig) -> Float8Memory:
         # float8.cast_weights_once keeps each float8 weight shard from one step to the next.
-        kept = gathers_float8_weights(f8) and f8.cast_weights_once
-        return Float8Memory(linears=True, kept_shard_bytes=(2 if RECIPES[f8.scaling].weight_rows else 1) if kept else 0)
+        return Float8Memory(linears=True, kept_shards=gathers_float8_weights(f8) and f8.cast_weights_once)
 
     def convert(self, model: nn.Module, time_linears: bool = True) -> Float8ConversionReport:
         """Swap eligible linears for float8 ones, on the meta model before any parallelism.

@@ -81,7 +81,6 @@ class TorchaoFloat8Training(Float8Rules):
     """Float8 training of a run's linears by torchao.float8."""
 
     impl_label = "torchao"
-    float8_gather_recipes = "'tensorwise'"
     emulate_note = "float8.emulate = true: torchao's float8 rounding with fp32 GEMMs, slower than bf16; for testing only"
 
     def __init__(self, f8: Float8TrainingConfig, run: Float8RunContext) -> None:
@@ -110,9 +109,6 @@ class TorchaoFloat8Training(Float8Rules):
         convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn in converted)
         self.report = report
         return report
-
-    def can_gather_in_float8(self) -> bool:
-        return self.f8.scaling == "tensorwise"
 
     def tp_styles(self) -> TPStyles:
         """torchao's float8 styles where ours would use float8 ones (tensorwise) on CUDA, else torch's

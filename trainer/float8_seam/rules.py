@@ -64,22 +64,16 @@ class Float8Rules:
     impl_label: ClassVar[str] = ""
     # The advice's line for float8.emulate = true.
     emulate_note: ClassVar[str] = ""
-    # The recipes whose weights this implementation all-gathers in float8, as the advice names them.
-    float8_gather_recipes: ClassVar[str] = "'tensorwise', 'rowwise' or 'blockwise'"
 
     def __init__(self, f8: Float8TrainingConfig, run: Float8RunContext) -> None:
         self.f8 = f8
         self.run = run
         self.recipe_name: str | None = f8.scaling
         self.recipe = RECIPES[f8.scaling]
-        self.all_gather = f8.fsdp_float8_all_gather and self.can_gather_in_float8()
+        self.all_gather = gathers_float8_weights(f8)
         self.report: Float8ConversionReport | None = None
         # What filter = "auto" timed and decided, or why it did not time; None where nothing was asked.
         self.filter_note: str | None = None
-
-    def can_gather_in_float8(self) -> bool:
-        """Whether this implementation all-gathers the recipe's weights in float8 when asked."""
-        return self.recipe.weight_gatherable_in_float8
 
     @classmethod
     def memory(cls, f8: Float8TrainingConfig) -> Float8Memory:
@@ -144,13 +138,12 @@ class Float8Rules:
         if self.f8.fsdp_float8_all_gather and not self.all_gather:
             notes.append(
                 f"float8.fsdp_float8_all_gather has no effect with float8.scaling = '{self.f8.scaling}' (weights are "
-                f"all-gathered in bf16); use scaling = {self.float8_gather_recipes}, or set it false"
+                "all-gathered in bf16); use scaling = 'tensorwise' or 'blockwise', or set it false"
             )
-        if self.can_gather_in_float8() and not self.all_gather and dp_degree > 1:
-            gain = "cast each weight once a step instead of at each use" if self.recipe.weight_rows else "halve that traffic"
+        if self.recipe.weight_gatherable_in_float8 and not self.all_gather and dp_degree > 1:
             notes.append(
                 f"float8 {self.f8.scaling} without float8.fsdp_float8_all_gather: FSDP all-gathers bf16 weights; set "
-                f"float8.fsdp_float8_all_gather = true to {gain}"
+                "float8.fsdp_float8_all_gather = true to halve that traffic"
             )
         return notes + self.layer_notes(tp_degree)
 

@@ -107,21 +107,22 @@ def test_float8_tp_styles_fall_back_where_torch_miscompiles_them(monkeypatch):
     assert _seam(cfg).tp_styles().colwise is Float8ColwiseParallel
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_post_optimizer_step_precomputes_scales_only_for_the_float8_all_gather(monkeypatch, scaling):
+@pytest.mark.parametrize(("scaling", "precomputes"), [("tensorwise", True), ("rowwise", False)])
+def test_post_optimizer_step_precomputes_scales_only_for_the_float8_all_gather(monkeypatch, scaling, precomputes):
     calls = []
     monkeypatch.setattr(float8_training, "precompute_float8_scales_for_fsdp",
                         lambda model, cast_weights, amaxes: calls.append((model, cast_weights, amaxes)))
     seam = _seam(_cfg(scaling=scaling, fsdp_float8_all_gather=True))
-    assert seam.config.fsdp_float8_all_gather
+    # A rowwise recipe cannot gather its weights in float8: the setting is dropped (and advised about).
+    assert seam.config.fsdp_float8_all_gather == precomputes
     model = torch.nn.Linear(16, 16)
     amaxes = {model.weight: torch.ones(())}  # the optimizer's, handed on
     seam.post_optimizer_step(model, amaxes)
-    assert calls == [(model, True, amaxes)]
+    assert calls == ([(model, True, amaxes)] if precomputes else [])
     _seam(_cfg(scaling=scaling, fsdp_float8_all_gather=True, cast_weights_once=False)).post_optimizer_step(model)
-    assert calls[1:] == [(model, False, None)]
+    assert calls[1:] == ([(model, False, None)] if precomputes else [])
     _seam(_cfg(scaling=scaling)).post_optimizer_step(model)
-    assert len(calls) == 2
+    assert len(calls) == 2 * int(precomputes)
 
 
 @pytest.mark.version_specific
@@ -167,10 +168,9 @@ def test_the_seam_says_the_precision_of_the_run(monkeypatch, args, run_name, pla
     ("args", "memory"),
     [
         ({"enabled": False, "fsdp_float8_all_gather": True}, Float8Memory()),
-        ({"fsdp_float8_all_gather": True}, Float8Memory(linears=True, kept_shard_bytes=1)),
-        ({"fsdp_float8_all_gather": True, "scaling": "rowwise"}, Float8Memory(linears=True, kept_shard_bytes=2)),
+        ({"fsdp_float8_all_gather": True}, Float8Memory(linears=True, kept_shards=True)),
         ({"fsdp_float8_all_gather": True, "cast_weights_once": False}, Float8Memory(linears=True)),
-        ({"fsdp_float8_all_gather": True, "scaling": "rowwise", "cast_weights_once": False}, Float8Memory(linears=True)),
+        ({"fsdp_float8_all_gather": True, "scaling": "rowwise"}, Float8Memory(linears=True)),
         # torchao casts each weight shard at every all-gather: nothing kept between steps.
         ({"fsdp_float8_all_gather": True, "impl": "torchao"}, Float8Memory(linears=True)),
     ],
