@@ -51,6 +51,15 @@ BLOCKWISE_NOTE = (
     "13.9-14.1 bf16); for speed use 'tensorwise' (docs/float8/trainer.md, 'Which recipe?')"
 )
 
+# Measured on a 2-core AVX512 Xeon, torch 2.11 and 2.13: one LLaMA block compiled (inductor) gives
+# NaN gradients where the same block under aot_eager, or inductor without vectorization
+# (cpp.simdlen = 1) or fusion (max_fusion_size = 1), does not; rowwise_gw_hp and tensorwise do not.
+CPU_COMPILED_ROWWISE_NOTE = (
+    "float8.scaling = 'rowwise' compiled on a CPU with bf16 params gave NaN gradients at step 1 on an AVX512 CPU "
+    "(inductor's vectorized CPU code, torch 2.11 and 2.13; docs/float8/trainer.md); set "
+    "training.mixed_precision_param = 'float32' or compile.mode = 'none'"
+)
+
 
 def float8_config(f8: Float8TrainingConfig) -> Float8Config:
     """The package's config for the trainer's `[float8]` section (same names, same defaults)."""
@@ -198,6 +207,9 @@ class OursFloat8Training(Float8Rules):
     def device_notes(self, device: torch.device, tp_degree: int) -> list[str]:
         tokens = self.run.micro_batch_tokens // max(tp_degree, 1)
         notes = [BLOCKWISE_NOTE] if device.type == "cuda" and self.recipe.blockwise_gemms and not self.f8.emulate else []
+        if (device.type == "cpu" and self.f8.scaling == "rowwise" and self.run.compile_mode != "none"
+                and self.run.param_dtype == "bfloat16"):
+            notes.append(CPU_COMPILED_ROWWISE_NOTE)
         if device.type == "cuda" and tokens < MIN_FLOAT8_TOKENS:
             notes.append(
                 f"float8 with training.batch_size x training.seq_len = {tokens} tokens per GPU per micro-batch: "

@@ -14,7 +14,7 @@ from tests.helpers import ROOT, run_train
 from trainer.config import Config
 from trainer.errors import UserError
 from trainer.float8_seam import rules
-from trainer.float8_seam.ours import MIN_FLOAT8_TOKENS
+from trainer.float8_seam.ours import CPU_COMPILED_ROWWISE_NOTE, MIN_FLOAT8_TOKENS
 from trainer.float8_seam.rules import Float8RunContext
 from trainer.float8_seam.seam import build_seam
 
@@ -136,7 +136,18 @@ def test_fsdp_float8_all_gather_with_rowwise(monkeypatch, scaling):
     monkeypatch.setattr(rules, "scaled_mm_supported", lambda rowwise, device_type: True)
     note = _only(advise(_cfg(scaling=scaling), CPU), "fsdp_float8_all_gather has no effect")
     assert f"float8.scaling = '{scaling}'" in note
-    assert advise(_cfg(scaling=scaling, fsdp_float8_all_gather=False), CPU) == []
+    assert advise(_cfg(scaling=scaling, fsdp_float8_all_gather=False), CPU) == (
+        [CPU_COMPILED_ROWWISE_NOTE] if scaling == "rowwise" else [])
+
+
+def test_rowwise_compiled_on_a_cpu_with_bf16_params_is_warned(monkeypatch):
+    monkeypatch.setattr(rules, "scaled_mm_supported", lambda rowwise, device_type: True)
+    cfg = _cfg(scaling="rowwise", fsdp_float8_all_gather=False)
+    assert advise(cfg, CPU) == [CPU_COMPILED_ROWWISE_NOTE]
+    fp32 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, "cpu", "float32"))
+    assert fp32.advice(CPU, 1, 1) == []
+    cfg.compile.mode = "none"
+    assert CPU_COMPILED_ROWWISE_NOTE not in advise(cfg, CPU)
 
 
 def test_tensorwise_without_fsdp_float8_all_gather():
