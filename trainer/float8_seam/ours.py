@@ -53,7 +53,8 @@ BLOCKWISE_NOTE = (
 
 # Measured on a 2-core AVX512 Xeon, torch 2.11 and 2.13: one LLaMA block compiled (inductor) gives
 # NaN gradients where the same block under aot_eager, or inductor without vectorization
-# (cpp.simdlen = 1) or fusion (max_fusion_size = 1), does not; rowwise_gw_hp and tensorwise do not.
+# (cpp.simdlen = 1), fusion (max_fusion_size = 1) or threads (cpp.threads = 1), does not;
+# rowwise_gw_hp and tensorwise do not.
 CPU_COMPILED_ROWWISE_NOTE = (
     "float8.scaling = 'rowwise' compiled on a CPU with bf16 params gave NaN gradients at step 1 on an AVX512 CPU "
     "(inductor's vectorized CPU code, torch 2.11 and 2.13; docs/float8/trainer.md); set "
