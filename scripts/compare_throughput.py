@@ -141,7 +141,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "'.[reference]'), each run for every float8 precision (default %(default)s)")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="trace step N of each run (torch.profiler) and add its summary by kernel class; "
-                        "the traced step is left out of the medians")
+                        "the traced step and the one after it (whose period the profiler's stop shortens) are left "
+                        "out of the medians")
     p.add_argument("--out", help="output folder (required unless --chart)")
     p.add_argument("--chart", metavar="PNG", help="only draw the chart, from the comparison.json files given")
     p.add_argument("--labels", help="with --chart: comma list naming each result file (default: its folder)")

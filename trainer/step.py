@@ -195,19 +195,15 @@ class BatchReader:
 
 @dataclasses.dataclass(frozen=True)
 class PhaseMarks:
-    """Where a step's forward-backward and optimizer phases began and ended (StepTimer marks). Read only
-    on the steps the loop logs: on CUDA a read waits for the update to finish."""
+    """Where a step's forward-backward began and ended (StepTimer marks). Both precede the loss on the
+    device, so reading them once the loss is in hand waits for nothing."""
 
     timer: StepTimer
     launch: Any
     backward: Any
-    done: Any
 
     def forward_backward_s(self) -> float:
         return self.timer.seconds(self.launch, self.backward)
-
-    def optimizer_s(self) -> float:
-        return self.timer.seconds(self.backward, self.done)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +215,8 @@ class StepResult:
     loss: float
     grad_norm: float
     applied: bool
+    # Wall time from the previous step's loss to this one's (the first step: from its start): the
+    # whole period of a step, its optimizer update and whatever the host did between steps included.
     seconds: float
     data_seconds: float
     phases: PhaseMarks
@@ -244,6 +242,7 @@ class StepRunner:
         self.last_step = last_step
         self.is_main = is_main
         self.timer = StepTimer(parts.device)
+        self.last_end: float | None = None
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One micro-batch's summed loss; a method so that tests/wrappers/train_nonfinite.py and train_crash.py can poison it."""
@@ -258,7 +257,6 @@ class StepRunner:
             self.float8.arm_health(parts.model, step, parts.device)
             t_launch = self.timer.mark()
             launched = train_step(self.loss_sum, micro_batches, parts, self.timer)
-            t_done = self.timer.mark()
             last = step == self.last_step
             t_data = time.perf_counter()
             upcoming = None if last else self.reader.read()  # read while the device runs the update
@@ -266,13 +264,17 @@ class StepRunner:
             loss, grad_norm, applied = finish_step(launched, parts)
             if last and not applied:  # a skipped step is retried on the next batches
                 upcoming = self.reader.read()
-        seconds = time.perf_counter() - t_start
+        # From the previous step's end, not this step's start: the device runs the previous update
+        # while the host starts this step, and a period that began at t_start would leave it out.
+        end = time.perf_counter()
+        seconds = end - (t_start if self.last_end is None else self.last_end)
+        self.last_end = end
         health = self.float8.read_health()
         for message in health.warnings if self.is_main else ():
             warn(message)
         return StepResult(
             step=step, loss=loss, grad_norm=grad_norm, applied=applied, seconds=seconds, data_seconds=data_seconds,
-            phases=PhaseMarks(self.timer, t_launch, launched.t_backward, t_done), upcoming=upcoming,
+            phases=PhaseMarks(self.timer, t_launch, launched.t_backward), upcoming=upcoming,
             float8_health=health.metrics,
         )
 

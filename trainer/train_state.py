@@ -74,10 +74,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 class StopRequest:
     """SIGTERM/SIGINT/SIGHUP (a closed terminal or SSH session) ask the run to stop after the current
-    step; `agreed()` is a collective."""
+    step; `agreed()` is a collective over `group` (None: one rank, nothing to agree)."""
 
-    def __init__(self, device: torch.device, saving: bool) -> None:
-        self.device = device
+    def __init__(self, group: dist.ProcessGroup | None, saving: bool) -> None:
+        self.group = group
         self.saving = saving
         self.requested = False
 
@@ -98,8 +98,12 @@ class StopRequest:
     def agreed(self, folder_gone: bool = False) -> tuple[bool, bool]:
         """Whether any rank was asked to stop, and whether any rank found the dump folder gone
         (`folder_gone`, rank 0's finding): every rank calls this at the same point of a step."""
-        flags = torch.tensor([int(self.requested), int(folder_gone)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if self.group is None:
+            return self.requested, folder_gone
+        # Host tensors over a gloo group: reading the result waits for the other ranks' hosts, never
+        # for this rank's device, which is still running the step's update.
+        flags = torch.tensor([int(self.requested), int(folder_gone)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         stop, gone = flags.tolist()
         return bool(stop), bool(gone)
 

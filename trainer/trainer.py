@@ -73,7 +73,7 @@ class Trainer:
                 cfg, plan.model_args, self.dist, facts.dp, facts.tp, facts.global_batch, plan.tokenizer
             ),
         )
-        self.stop_request = StopRequest(self.device, saving=cfg.checkpoint.enable)
+        self.stop_request = StopRequest(process_group.host_group(self.dist.world_size), saving=cfg.checkpoint.enable)
         self.parts = StepParts(
             self.model, self.optimizer, self.lr_scheduler, plan.float8.post_optimizer_step, self.device,
             self.mesh.data_parallel.get_group(), facts.dp, plan.vocab_sharded_logits, cfg.training.max_norm,
@@ -228,7 +228,7 @@ class Trainer:
             "lr": self.lr_scheduler.get_last_lr()[0], "tps": tps, "tflops": tflops,
             "mfu_pct": 100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
             "step_time_s": result.seconds, "data_time_s": result.data_seconds,
-            "fwd_bwd_time_s": result.phases.forward_backward_s(), "optim_time_s": result.phases.optimizer_s(),
+            "fwd_bwd_time_s": result.phases.forward_backward_s(),
             **memory_stats(self.device), "tokens_seen": self.state.tokens_seen, "skipped_steps": progress.skipped_total,
             **self.dataloader.dataset.metrics(progress.data_state["dataset_state"]),
             **validation, **result.float8_health,

@@ -171,7 +171,7 @@ def summarize_metrics(records: list[dict[str, Any]], warmup: int,
                       exclude: frozenset[int] = frozenset()) -> dict[str, Any]:
     """Per-cell numbers from metrics.jsonl records (log_freq 1); raises ValueError if unusable.
 
-    Steps in `exclude` (a profiled step, slowed by the profiler) are left out of the medians.
+    Steps in `exclude` (a profiled step and the one after it) are left out of the medians.
     """
     records = sorted(records, key=lambda r: r["step"])
     measured = [r for r in records if r["step"] > warmup and r["step"] not in exclude]

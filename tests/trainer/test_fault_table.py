@@ -648,7 +648,7 @@ def test_sighup_asks_the_loop_to_stop_like_sigterm() -> None:
     from trainer.train_state import StopRequest
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    request = StopRequest(torch.device("cpu"), saving=True)
+    request = StopRequest(None, saving=True)
     try:
         request.install()
         os.kill(os.getpid(), signal.SIGHUP)  # a closed terminal: by default it ends the process, unsaved

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -182,11 +183,16 @@ def test_a_step_returns_a_frozen_result_with_the_next_steps_batches():
     result = runner.run(1, first.micro_batches)
     assert result.step == 1 and result.applied and math.isfinite(result.loss) and result.seconds > 0
     assert result.upcoming.data_state == {"read": 2} and result.data_error is None
-    assert result.phases.forward_backward_s() >= 0 and result.phases.optimizer_s() >= 0
+    assert 0 <= result.phases.forward_backward_s() <= result.seconds
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.loss = 0.0
+    between = time.perf_counter()
+    time.sleep(0.2)  # the loop's work between steps (logging, a save): part of the next step's period
     last = runner.run(2, result.upcoming.micro_batches)
     assert last.applied and last.upcoming is None  # an applied last step reads nothing more
+    # The period runs from the previous step's end: on a GPU the previous update runs while the host
+    # is between steps, and a time from this step's start alone left it out (tokens/s 20% too high).
+    assert last.seconds >= time.perf_counter() - between - 1e-3 >= 0.2
 
 
 def test_running_out_of_data_is_the_steps_data_error():

@@ -24,11 +24,10 @@ def test_short_run_writes_outputs_and_loss_falls(tmp_path):
         assert set(METRIC_KEYS) <= set(row), set(METRIC_KEYS) - set(row)
         assert row["mfu_pct"] is None  # CPU: no known peak
         assert row["tps"] > 0 and row["tflops"] > 0 and math.isfinite(row["loss"])
-        # On a CPU nothing overlaps: the step is forward+backward, optimizer, and reading
-        # the next step's batches (a GPU reads them while it runs the step).
-        parts = row["data_time_s"] + row["fwd_bwd_time_s"] + row["optim_time_s"]
-        assert row["fwd_bwd_time_s"] > 0 and row["optim_time_s"] > 0 and row["data_time_s"] > 0
-        assert 0.9 * row["step_time_s"] <= parts <= row["step_time_s"]
+        # On a CPU nothing overlaps: the step's period holds its forward+backward, reading the next
+        # step's batches (a GPU reads them while it runs the step), the optimizer and the logging.
+        assert row["fwd_bwd_time_s"] > 0 and row["data_time_s"] > 0
+        assert row["data_time_s"] + row["fwd_bwd_time_s"] < row["step_time_s"]
     assert rows[-1]["tokens_seen"] == 30 * 4 * 128
     assert rows[-1]["data/epoch"] == 0  # 120 windows of 129 tokens: far less than the shipped corpus
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, [r["loss"] for r in rows]
@@ -52,8 +51,7 @@ def test_tensorboard_tags_match_metric_keys(tmp_path):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for key in ("throughput/tps", "throughput/tflops", "loss/loss", "loss/grad_norm", "loss/lr",
-                "memory/peak_active_gib", "time/step_time_s", "time/data_time_s", "time/fwd_bwd_time_s",
-                "time/optim_time_s"):
+                "memory/peak_active_gib", "time/step_time_s", "time/data_time_s", "time/fwd_bwd_time_s"):
         assert key in tags, (key, tags)
     assert acc.Scalars("loss/loss")[0].step == 1
 

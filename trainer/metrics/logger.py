@@ -193,7 +193,7 @@ class MetricsLogger:
 _TB_GROUPS = {
     "tps": "throughput", "tflops": "throughput", "mfu_pct": "throughput",
     "loss": "loss", "grad_norm": "loss", "lr": "loss",
-    "step_time_s": "time", "data_time_s": "time", "fwd_bwd_time_s": "time", "optim_time_s": "time",
+    "step_time_s": "time", "data_time_s": "time", "fwd_bwd_time_s": "time",
     "tokens_seen": "progress", "skipped_steps": "progress",
 }
 

@@ -119,7 +119,7 @@ def render_markdown(results: list[CellResult], info: dict[str, Any]) -> str:
         parts += [failures, ""]
     parts += [
         f"Medians over steps {warmup + 1}-{steps} of {steps} ({warmup} warm-up steps dropped"
-        + (f"; profiled step {profile_step} left out" if profile_step else "") + "); "
+        + (f"; profiled step {profile_step} and the step after it left out" if profile_step else "") + "); "
         f"first step s includes compilation; peak mem is the max over all steps of the {memory}; "
         "MFU is against the GPU's bf16 dense peak (n/a on CPU)."
         + ("" if all(r.impl == DEFAULT_IMPL for r in results) else " A precision named `<recipe>-torchao` ran "
