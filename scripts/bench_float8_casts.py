@@ -1,12 +1,17 @@
-"""Time the eager float8 casts one linear needs, per cast backend (float8/operands.py), on a GPU.
+"""Time the memory-bound kernels around a float8 step's GEMMs on a GPU: the eager float8 casts one
+linear needs (float8/operands.py), per cast backend, and the AdamW update whose weights the float8
+weight casts then read.
 
-For LLaMA-2-7B shapes at 8,192 tokens: an activation or gradient cast into both layouts its
+Casts: for LLaMA-2-7B shapes at 8,192 tokens, an activation or gradient cast into both layouts its
 two GEMMs read (tensorwise, rowwise, and blockwise's 1x128 tiles), a weight cast with a known
-scale (FSDP's float8 all-gather), and a float8 transpose. Prints ms and effective bandwidth
-(bytes the cast must move at least: one read of the input, each output written once) per
-backend; writes JSON (an earlier file there moves to previous-N/ beside it first).
+scale (FSDP's float8 all-gather), and a float8 transpose; ms and effective bandwidth (bytes the
+cast must move at least: one read of the input, each output written once) per backend. AdamW:
+torch's fused kernel against the trainer's Triton kernel at each program size and warp count
+(scripts/harness/float8_bench/adamw.py). Prints the tables last; writes JSON (an earlier file
+there moves to previous-N/ beside it first).
 
     python scripts/bench_float8_casts.py --out bench_float8_casts.json
+    python scripts/bench_float8_casts.py --only adamw
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import torch
 from float8.operands import Operand, cast_weight_with_scale, operands_both, transposed
 from float8.recipe import RECIPES
 from float8.scaling import E4M3, cast_with_scale
+from scripts.harness.arguments import comma_names
+from scripts.harness.float8_bench import adamw
 from scripts.harness.float8_bench.timing import Timer
 from trainer.run_folder import keep_earlier_results
 
 BACKENDS = ("triton", "compiled", "plain")
+SECTIONS = ("casts", "adamw")
 TOKENS = 8192
 ACTIVATIONS = [(TOKENS, 4096), (TOKENS, 11008)]
 WEIGHTS = [(4096, 4096), (11008, 4096)]
@@ -70,26 +78,41 @@ def cells(backends: list[str]) -> list[tuple[str, str, Callable[[], object], int
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_float8_casts.json")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma list of %(default)s (default all)")
     opts = parser.parse_args(argv)
+    only = comma_names(opts.only, SECTIONS, "--only")
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
     out = Path(opts.out)
     keep_earlier_results(out.parent, [out.name])
     rows = []
-    for what, backend, fn, nbytes in cells(list(BACKENDS)):
+    for what, backend, fn, nbytes in cells(list(BACKENDS)) if "casts" in only else ():
         ms = time_ms(fn)
         rows.append({"cast": what, "backend": backend, "ms": ms, "gb_per_s": nbytes / ms / 1e6})
         print(f"  {what:40} {backend:9} {ms:8.3f} ms {rows[-1]['gb_per_s']:7.0f} GB/s", flush=True)
+    updates, n_params = [], 0
+    if "adamw" in only:
+        kernels, weights = adamw.kernels(torch.device("cuda"))
+        n_params = sum(w.numel() for w in weights)
+        updates = [{"kernel": name, "ms": (ms := time_ms(fn)), "tb_per_s": adamw.BYTES_PER_PARAM * n_params / ms / 1e9}
+                   for name, fn in kernels]
+        del kernels, weights
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "results": rows}
+              "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "results": rows,
+              "adamw": {"params": n_params, "results": updates}}
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {opts.out} ({result['device']}, torch {torch.__version__})")
-    print(f"{'cast':40} " + " ".join(f"{b:>16}" for b in BACKENDS))
+    if rows:
+        print(f"{'cast':40} " + " ".join(f"{b:>16}" for b in BACKENDS))
     for what in dict.fromkeys(r["cast"] for r in rows):
         by = {r["backend"]: r for r in rows if r["cast"] == what}
         print(f"{what:40} " + " ".join(
             f"{by[b]['ms']:7.3f} {by[b]['gb_per_s']:5.0f}GB/s" if b in by else f"{'-':>16}" for b in BACKENDS))
+    if updates:
+        print(f"\nAdamW over {n_params / 1e6:,.0f} M fp32 parameters")
+    for r in updates:
+        print(f"{r['kernel']:40} {r['ms']:7.3f} ms {r['tb_per_s']:5.2f} TB/s")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ import triton.language as tl
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-BLOCK = 4096
+# Elements and warps per program: the fastest and steadiest of 1,024-8,192 x 4-16 on one H100
+# (scripts/bench_float8_casts.py --only adamw, docs/benchmarks.md).
+BLOCK = 2048
+NUM_WARPS = 8
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Rows of the address table: weight, gradient, first moment, second moment, step count.
 _ROLES = 5
@@ -76,7 +79,7 @@ def _update(
 
 
 @triton.jit
-def _adamw_kernel(
+def adamw_kernel(
     addr_ptr, block_param_ptr, first_block_ptr, numel_ptr, grad_scale_ptr, found_inf_ptr, amax_ptr, n_params, lr, beta1,
     beta2, log2_beta1, log2_beta2, eps, weight_decay, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
     S_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr,
@@ -106,28 +109,33 @@ def _adamw_kernel(
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor whose memory holds `t`: a DTensor's local shard, a wrapper subclass's single
-    inner tensor (float8's Float8TrainingWeight, whose ops all run on it), recursively."""
+    """The plain tensor whose memory holds `t`: a DTensor's local shard, or a wrapper subclass's one
+    inner tensor of the wrapper's shape and dtype (float8's Float8TrainingWeight; torchao's float8
+    weights, which also carry a precomputed 0-dim scale once the float8 all-gather computed one),
+    recursively."""
     if isinstance(t, DTensor):
         return _memory(t._local_tensor)
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
-        if len(names) != 1:
-            raise ValueError(f"TritonAdamW updates plain tensors or wrappers of one, got {type(t).__name__} of {names}")
-        return _memory(getattr(t, names[0]))
+        inner = [getattr(t, n) for n in names]
+        data = [x for x in inner if x.shape == t.shape and x.dtype == t.dtype]
+        if len(data) != 1:
+            raise ValueError(f"TritonAdamW updates plain tensors or wrappers of one tensor of their shape and dtype, "
+                             f"got {type(t).__name__} of {names}")
+        return _memory(data[0])
     return t
 
 
-def _block_tables(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_tables(numels: tuple[int, ...], device: torch.device, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(parameter of each program, first program of each parameter, numels): what the sizes fix."""
-    counts = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+    counts = torch.tensor([triton.cdiv(n, block) for n in numels], dtype=torch.int64)
     first = torch.cumsum(counts, 0) - counts
     block_param = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
     return block_param.to(device), first.to(torch.int32).to(device), torch.tensor(numels, dtype=torch.int64).to(device)
 
 
 class TritonAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW (decoupled weight decay, no amsgrad) stepped by `_adamw_kernel`.
+    """torch.optim.AdamW (decoupled weight decay, no amsgrad) stepped by `adamw_kernel`.
 
     Constructed as torch's fused AdamW, so its state dict is that optimizer's, loadable by either;
     `grad_scale` and `found_inf` are taken from the optimizer's attributes as the fused one takes them.
@@ -162,8 +170,9 @@ class TritonAdamW(torch.optim.AdamW):
     def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         steps = [self.state[p]["step"] for p in params]
-        # A skipped step (found_inf) counts nothing, as in torch's fused kernel.
-        torch._foreach_add_(steps, 1.0 if found_inf is None else 1.0 - found_inf)
+        # A skipped step (found_inf) counts nothing, as in torch's fused kernel. A list of tensors, not
+        # one: `_foreach_add_` reads a single tensor operand on the host, which waits for the device.
+        torch._foreach_add_(steps, 1.0 if found_inf is None else [1.0 - found_inf] * len(steps))
         device = steps[0].device
         amax_bits = torch.zeros(len(params), dtype=torch.int32, device=device)
         self._amaxes.update(zip(params, amax_bits.view(torch.float32).unbind()))
@@ -185,17 +194,17 @@ class TritonAdamW(torch.optim.AdamW):
             numels = tuple(memories[i][0].numel() for i in members)
             key = (numels, device)
             if key not in self._tables:
-                self._tables[key] = _block_tables(numels, device)
+                self._tables[key] = block_tables(numels, device)
             block_param, first_block, numel = self._tables[key]
             addresses = [memories[i][role].data_ptr() for role in range(_ROLES) for i in members]
             # Pinned and asynchronous: the copy queues behind the backward instead of waiting for it.
             table = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
             amax = amax_bits if len(members) == len(params) else torch.zeros(len(members), dtype=torch.int32, device=device)
-            _adamw_kernel[(block_param.numel(),)](
+            adamw_kernel[(block_param.numel(),)](
                 table, block_param, first_block, numel, grad_scale, found_inf, amax, len(members), group["lr"], beta1,
                 beta2, math.log2(beta1), math.log2(beta2), group["eps"], group["weight_decay"],
                 P_DTYPE=_TRITON_DTYPES[p_dtype], G_DTYPE=_TRITON_DTYPES[g_dtype], S_DTYPE=_TRITON_DTYPES[s_dtype],
-                HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=8,
+                HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
             )
             if amax is not amax_bits:
                 amax_bits[members] = amax

@@ -24,11 +24,18 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # Fused (CUDA and CPU kernels) and triton also take the clip and the non-finite guard (trainer/step.py).
-    impl = "fused" if cfg.implementation == "auto" else cfg.implementation
+    impl = _auto(decay + no_decay) if cfg.implementation == "auto" else cfg.implementation
     if impl == "triton":
         return _triton_adamw(groups, decay + no_decay, cfg)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def _auto(params: list[nn.Parameter]) -> str:
+    """triton on CUDA where Triton imports (its AdamW moves the same bytes faster than torch's fused one and
+    computes the float8 weights' amaxes in the same pass: docs/benchmarks.md), fused elsewhere."""
+    on_cuda = bool(params) and params[0].device.type == "cuda"
+    return "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "fused"
 
 
 def _triton_adamw(groups: list[dict], params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -55,11 +55,44 @@ def _assert_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("float8_weights", [False, True])
-def test_triton_adamw_is_torchs_adamw_with_the_fused_guard(float8_weights):
+class DataAndScale(torch.Tensor):
+    """A weight wrapped with a 0-dim scale beside its data, as torchao's float8 weights are once the
+    float8 all-gather precomputed their scale: two inner tensors, ops on the data."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        self._data, self._scale = data, scale
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return DataAndScale(inner["_data"], inner["_scale"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t._data if isinstance(t, DataAndScale) else t
+
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+WRAPPERS = {
+    "plain": None,
+    "Float8TrainingWeight": lambda p: Float8TrainingWeight(p),
+    "data and scale": lambda p: DataAndScale(p, torch.tensor(3.0)),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_triton_adamw_is_torchs_adamw_with_the_fused_guard(wrapper):
     ref, tri = _params(), _params()
-    if float8_weights:
-        tri = [Float8TrainingWeight(p.detach()).requires_grad_() if p.ndim == 2 else p for p in tri]
+    if WRAPPERS[wrapper] is not None:
+        tri = [WRAPPERS[wrapper](p.detach()).requires_grad_() if p.ndim == 2 else p for p in tri]
     ref_opt = torch.optim.AdamW(_groups(ref), foreach=False, **HYPER)
     tri_opt = TritonAdamW(_groups(tri), **HYPER)
     for step in range(3):
@@ -76,6 +109,18 @@ def test_triton_adamw_is_torchs_adamw_with_the_fused_guard(float8_weights):
     assert all(torch.equal(tri_opt.weight_amaxes()[p], p.detach().abs().max()) for p in tri)
     assert all(torch.equal(v, tri_opt.state[tri[0]][k]) for k, v in before[1].items())
     assert float(tri_opt.state[tri[0]]["step"]) == 3
+
+
+def test_a_guarded_step_reads_nothing_on_the_host():
+    # A read of a device value on the host waits for the device: the trainer's step would drain the
+    # GPU's queue there (it did: `_foreach_add_` with one tensor operand reads it, twice a step).
+    params = _params()
+    opt = TritonAdamW(_groups(params), **HYPER)
+    _step(opt, params, _grads(0))  # the first step builds the program tables: sizes, read once
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(opt, params, _grads(1), grad_scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
+    reads = {e.name for e in prof.events()} & {"aten::item", "aten::_local_scalar_dense"}
+    assert not reads and float(opt.state[params[0]]["step"]) == 2
 
 
 def test_state_dict_is_torchs_fused_adamw_both_ways():
@@ -100,7 +145,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from trainer.adamw_triton import BLOCK, _adamw_kernel
+from trainer.adamw_triton import BLOCK, adamw_kernel
 
 scalars = ["lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay"]
 for (has_scale, has_inf), (p, g) in itertools.product([(False, False), (True, True)], [(tl.float32, tl.float32), (tl.bfloat16, tl.bfloat16)]):
@@ -110,7 +155,7 @@ for (has_scale, has_inf), (p, g) in itertools.product([(False, False), (True, Tr
                  **{name: "constexpr" for name in ("P_DTYPE", "G_DTYPE", "S_DTYPE", "HAS_SCALE", "HAS_INF", "BLOCK")}}
     constexprs = {"P_DTYPE": p, "G_DTYPE": g, "S_DTYPE": p, "HAS_SCALE": has_scale, "HAS_INF": has_inf, "BLOCK": BLOCK,
                   **({} if has_scale else {"grad_scale_ptr": None}), **({} if has_inf else {"found_inf_ptr": None})}
-    triton.compile(triton.compiler.ASTSource(fn=_adamw_kernel, signature=signature, constexprs=constexprs),
+    triton.compile(triton.compiler.ASTSource(fn=adamw_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", 90, 32))
 print("compiled")
 '''

@@ -1,12 +1,15 @@
 """Learning-rate schedule and optimizer parameter groups."""
 
+import importlib.util
 import math
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
+from trainer import optim
 from trainer.config import LRSchedulerConfig, OptimizerConfig
 from trainer.errors import UserError
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier
@@ -59,10 +62,20 @@ def test_weight_decay_skips_vectors():
 
 @pytest.mark.parametrize(("implementation", "fused", "foreach"),
                          [("auto", True, None), ("fused", True, None), ("foreach", None, True), ("for-loop", None, False)])
-def test_auto_is_the_fused_adamw_that_takes_the_guard(implementation, fused, foreach):
+def test_auto_on_a_cpu_is_the_fused_adamw_that_takes_the_guard(implementation, fused, foreach):
     # trainer/step.py keeps the clip and non-finite guard on the device only with fused=True.
     opt = build_optimizer(nn.Linear(4, 4), OptimizerConfig(implementation=implementation))
     assert opt.defaults.get("fused") == fused and opt.defaults.get("foreach") == foreach
+    assert type(opt) is torch.optim.AdamW  # the Triton AdamW (a subclass) only on CUDA
+
+
+def test_auto_on_cuda_is_the_triton_adamw_where_triton_imports(monkeypatch):
+    cuda_weight = SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
+    assert optim._auto([cuda_weight]) == "triton"
+    assert optim._auto([SimpleNamespace(device=torch.device("cpu"))]) == "fused"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert optim._auto([cuda_weight]) == "fused"
 
 
 def test_triton_adamw_without_a_gpu_is_one_line(monkeypatch):

@@ -254,8 +254,8 @@ class OptimizerConfig:
     weight_decay: float = _opt(0.1, "Decoupled weight decay (not applied to norms).")
     betas: list[float] = _opt([0.9, 0.95], "Adam betas.")
     eps: float = _opt(1e-8, "Adam epsilon.")
-    implementation: OptimizerImplementation = _opt("auto", "auto = fused (clip and non-finite guard inside the kernel, no sync "
-                                                   "before the update). triton = the same as one Triton kernel per parameter (CUDA).")
+    implementation: OptimizerImplementation = _opt("auto", "auto = triton (one Triton launch per parameter group, float8 weights' amaxes in "
+                                                   "the same pass) on CUDA where Triton imports, else fused; both guard and clip in-kernel.")
 
 
 @_section
