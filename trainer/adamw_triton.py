@@ -26,8 +26,8 @@ import triton.language as tl
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-# Elements and warps per program: the fastest and steadiest of 1,024-8,192 x 4-16 on one H100
-# (scripts/bench_float8_casts.py --only adamw, docs/benchmarks.md).
+# Elements and warps per program: within 1 % of the fastest of 1,024-8,192 x 4-16 on one H100, and the
+# size least sensitive to its warp count (scripts/bench_float8_casts.py --only adamw, docs/benchmarks.md).
 BLOCK = 2048
 NUM_WARPS = 8
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
