@@ -57,7 +57,7 @@ BLOCKWISE_NOTE = (
 # rowwise_gw_hp and tensorwise do not.
 CPU_COMPILED_ROWWISE_NOTE = (
     "float8.scaling = 'rowwise' compiled on a CPU with bf16 params gave NaN gradients at step 1 on an AVX512 CPU "
-    "(inductor's vectorized CPU code, torch 2.11 and 2.13; docs/float8/trainer.md); set "
+    "(GCC 12 miscompiles inductor's bf16 tile transposes there, torch 2.11 and 2.13; docs/float8/trainer.md); set "
     "training.mixed_precision_param = 'float32' or compile.mode = 'none'"
 )
 
