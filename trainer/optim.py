@@ -24,23 +24,23 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # Fused (CUDA and CPU kernels) and triton also take the clip and the non-finite guard (trainer/step.py).
-    impl = _auto(decay + no_decay) if cfg.implementation == "auto" else cfg.implementation
+    params = decay + no_decay
+    device = params[0].device.type if params else "cpu"
+    has_triton = importlib.util.find_spec("triton") is not None
+    impl = _auto(device, has_triton) if cfg.implementation == "auto" else cfg.implementation
     if impl == "triton":
-        return _triton_adamw(groups, decay + no_decay, cfg)
+        return _triton_adamw(groups, device, has_triton, cfg)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
 
 
-def _auto(params: list[nn.Parameter]) -> str:
+def _auto(device: str, has_triton: bool) -> str:
     """triton on CUDA where Triton imports (its AdamW moves the same bytes faster than torch's fused one and
     computes the float8 weights' amaxes in the same pass: docs/benchmarks.md), fused elsewhere."""
-    on_cuda = bool(params) and params[0].device.type == "cuda"
-    return "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "fused"
+    return "triton" if device == "cuda" and has_triton else "fused"
 
 
-def _triton_adamw(groups: list[dict], params: list[nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    device = params[0].device.type if params else "cpu"
-    has_triton = importlib.util.find_spec("triton") is not None
+def _triton_adamw(groups: list[dict], device: str, has_triton: bool, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     if not has_triton or (device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
         raise UserError(f"optimizer.implementation = 'triton' needs Triton (torch's CUDA builds) and a CUDA device, got {device}"
                         + ("" if has_triton else " and no Triton"))

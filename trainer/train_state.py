@@ -12,10 +12,10 @@ import dataclasses
 import os
 import random
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from trainer.errors import reported_in_this_launch
 from trainer.log import info
@@ -74,10 +74,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 class StopRequest:
     """SIGTERM/SIGINT/SIGHUP (a closed terminal or SSH session) ask the run to stop after the current
-    step; `agreed()` is a collective over `group` (None: one rank, nothing to agree)."""
+    step; `agreed()` is a collective: `all_gather` is the ranks' host exchange's (trainer/data/exchange.py)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, saving: bool) -> None:
-        self.group = group
+    def __init__(self, all_gather: Callable[[Any], list[Any]], saving: bool) -> None:
+        self.all_gather = all_gather
         self.saving = saving
         self.requested = False
 
@@ -98,14 +98,10 @@ class StopRequest:
     def agreed(self, folder_gone: bool = False) -> tuple[bool, bool]:
         """Whether any rank was asked to stop, and whether any rank found the dump folder gone
         (`folder_gone`, rank 0's finding): every rank calls this at the same point of a step."""
-        if self.group is None:
-            return self.requested, folder_gone
-        # Host tensors over a gloo group: reading the result waits for the other ranks' hosts, never
-        # for this rank's device, which is still running the step's update.
-        flags = torch.tensor([int(self.requested), int(folder_gone)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        stop, gone = flags.tolist()
-        return bool(stop), bool(gone)
+        # Host messages over gloo: reading them waits for the other ranks' hosts, never for this rank's
+        # device, which is still running the step's update.
+        flags = self.all_gather((self.requested, folder_gone))
+        return any(stop for stop, _ in flags), any(gone for _, gone in flags)
 
 
 def _detach_from_closed_terminal() -> None:

@@ -73,7 +73,7 @@ class Trainer:
                 cfg, plan.model_args, self.dist, facts.dp, facts.tp, facts.global_batch, plan.tokenizer
             ),
         )
-        self.stop_request = StopRequest(process_group.host_group(self.dist.world_size), saving=cfg.checkpoint.enable)
+        self.stop_request = StopRequest(self.host_exchange.all_gather, saving=cfg.checkpoint.enable)
         self.parts = StepParts(
             self.model, self.optimizer, self.lr_scheduler, plan.float8.post_optimizer_step, self.device,
             self.mesh.data_parallel.get_group(), facts.dp, plan.vocab_sharded_logits, cfg.training.max_norm,
@@ -103,11 +103,11 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg, plan = self.cfg, self.plan
-        # One gloo group for the training and held-out loaders: they read in turn, on this thread,
-        # in the same order on every rank.
-        self.data_exchange = world_exchange()
+        # One gloo group for the training and held-out loaders and the stop request: they use it in
+        # turn, on this thread, in the same order on every rank, and never wait for the device there.
+        self.host_exchange = world_exchange()
         loader = functools.partial(run_loader, cfg, tokenizer=plan.tokenizer, dp_rank=self.dp_rank, dp=plan.facts.dp,
-                                   exchange=self.data_exchange, verbose=self.is_main)
+                                   exchange=self.host_exchange, verbose=self.is_main)
         self.dataloader = loader("data", cfg.data.num_workers)
         self.validator = None
         if cfg.validation.enable:

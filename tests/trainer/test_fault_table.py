@@ -645,10 +645,11 @@ def test_fault(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> Non
 
 
 def test_sighup_asks_the_loop_to_stop_like_sigterm() -> None:
+    from trainer.data.exchange import LocalExchange
     from trainer.train_state import StopRequest
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    request = StopRequest(None, saving=True)
+    request = StopRequest(LocalExchange().all_gather, saving=True)
     try:
         request.install()
         os.kill(os.getpid(), signal.SIGHUP)  # a closed terminal: by default it ends the process, unsaved

@@ -1,9 +1,7 @@
 """Learning-rate schedule and optimizer parameter groups."""
 
-import importlib.util
 import math
 from itertools import pairwise
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,13 +67,10 @@ def test_auto_on_a_cpu_is_the_fused_adamw_that_takes_the_guard(implementation, f
     assert type(opt) is torch.optim.AdamW  # the Triton AdamW (a subclass) only on CUDA
 
 
-def test_auto_on_cuda_is_the_triton_adamw_where_triton_imports(monkeypatch):
-    cuda_weight = SimpleNamespace(device=torch.device("cuda"))
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
-    assert optim._auto([cuda_weight]) == "triton"
-    assert optim._auto([SimpleNamespace(device=torch.device("cpu"))]) == "fused"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert optim._auto([cuda_weight]) == "fused"
+def test_auto_on_cuda_is_the_triton_adamw_where_triton_imports():
+    assert optim._auto("cuda", has_triton=True) == "triton"
+    assert optim._auto("cpu", has_triton=True) == "fused"
+    assert optim._auto("cuda", has_triton=False) == "fused"
 
 
 def test_triton_adamw_without_a_gpu_is_one_line(monkeypatch):

@@ -60,13 +60,6 @@ def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
-def host_group(world_size: int) -> dist.ProcessGroup | None:
-    """A gloo group of every rank for what the loop agrees on between steps (a stop request): reading
-    its result waits for the other hosts, never for the device, so the device's queue never drains
-    there. None for one rank, where there is nothing to agree on."""
-    return dist.new_group(backend="gloo") if world_size > 1 else None
-
-
 # Outermost first, so consecutive ranks (one node's GPUs) share the inner dims: TP, whose collectives run
 # in every block, then the FSDP shards; HSDP's replicas, which only all-reduce gradients, span nodes.
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")

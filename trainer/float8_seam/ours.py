@@ -51,10 +51,9 @@ BLOCKWISE_NOTE = (
     "13.9-14.1 bf16); for speed use 'tensorwise' (docs/float8/trainer.md, 'Which recipe?')"
 )
 
-# Measured on a 2-core AVX512 Xeon, torch 2.11 and 2.13: one LLaMA block compiled (inductor) gives
-# NaN gradients where the same block under aot_eager, or inductor without vectorization
-# (cpp.simdlen = 1), fusion (max_fusion_size = 1) or threads (cpp.threads = 1), does not;
-# rowwise_gw_hp and tensorwise do not.
+# Seen on a 2-core AVX512 Xeon with GCC 12.2, torch 2.11 and 2.13: inductor's backward kernel transposes
+# two bf16 tiles in one loop, which GCC 12.2 at -O3 miscompiles into uninitialised values
+# (docs/history/2026-12-05-cpu-rowwise-nan-gcc12.md); rowwise_gw_hp's and tensorwise's graphs did not.
 CPU_COMPILED_ROWWISE_NOTE = (
     "float8.scaling = 'rowwise' compiled on a CPU with bf16 params gave NaN gradients at step 1 on an AVX512 CPU "
     "(GCC 12 miscompiles inductor's bf16 tile transposes there, torch 2.11 and 2.13; docs/float8/trainer.md); set "
