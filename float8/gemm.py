@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from float8.blocks import block_dequantize
+from float8.ops import define_op
 from float8.scaling import E4M3
 
 # The tiles cuBLAS scales by (sm_90, cuBLASLt >= 12.9): 1x128 on either operand, 128x128 blocks
@@ -164,10 +165,9 @@ def _scaled_mm_v2_blocks(
 # of an aten op in a compiled backward gets contiguous inputs (torch 2.11's inductor, graph.py),
 # which would turn B (column-major) and the scales (column by column, padded) into what cuBLAS
 # refuses or misreads. Its fake runs the aten op's own meta kernel, which checks the layouts.
-_blockwise_scaled_mm = torch.library.custom_op(
-    "float8_training::blockwise_scaled_mm", _scaled_mm_v2_blocks, mutates_args=(), tags=(torch.Tag.needs_exact_strides,)
+_blockwise_scaled_mm = define_op(
+    "blockwise_scaled_mm", _scaled_mm_v2_blocks, _scaled_mm_v2_blocks, tags=(torch.Tag.needs_exact_strides,)
 )
-_blockwise_scaled_mm.register_fake(_scaled_mm_v2_blocks)
 
 
 def blockwise_gemm_supported(device: torch.device) -> bool:

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from float8.blocks import kernel_block
 from float8.kernels.cast import _TRITON_DTYPES, _abs_bits, _check_2d, _scale, _to_float8
+from float8.ops import define_op
 
 
 @triton.jit
@@ -137,12 +138,11 @@ def _cast_blocks(
 # The kernels as one op that torch.compile keeps whole: traced, a cast of 128-value tiles becomes
 # inductor's own tile reductions, which read a transposed layout far slower than this one read
 # writing both (docs/benchmarks.md, "Blockwise float8 in the trainer"). Its fake allocates the outputs.
-_cast_blocks_op = torch.library.custom_op("float8_training::cast_blocks", _cast_blocks, mutates_args=())
-
-
-@_cast_blocks_op.register_fake
-def _(x, scale, block, float8_dtype, pow2, rowmajor, transposed):
-    return _outputs(x, block, float8_dtype, scale is not None, rowmajor, transposed)
+_cast_blocks_op = define_op(
+    "cast_blocks", _cast_blocks,
+    lambda x, scale, block, float8_dtype, pow2, rowmajor, transposed: _outputs(
+        x, block, float8_dtype, scale is not None, rowmajor, transposed),
+)
 
 
 def cast_blockwise_layouts(
@@ -159,7 +159,7 @@ def cast_blockwise_layouts(
     b, square = block[1], block[0] == block[1]
     if scale is not None and not square:
         raise ValueError("known scales are for B x B blocks only")
-    # Outside a compile the kernels are called straight: the op's dispatch costs ~25 us of host time a call.
+    # Outside a compile the kernels are called straight, without the op's dispatch (~7 us of host time a call).
     cast = _cast_blocks_op if torch.compiler.is_compiling() else _cast_blocks
     out = cast(x, scale, list(block), float8_dtype, pow2, rowmajor, transposed)
     return tuple(_views(_layouts(out, scale is not None, rowmajor, transposed), m, k, b, square))

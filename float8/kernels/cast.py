@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from float8.ops import define_op
 from float8.scaling import EPS
 
 # Tile of the 2-D kernels, and elements per program of the flat amax and the flat cast.
@@ -69,10 +70,14 @@ def _amax_flat_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _amax_2d_kernel(
-    x_ptr, amax_ptr, amax_t_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr
-):
-    """Per-row amaxes into amax[0:M], per-column into amax_t[0:K]."""
+def _padded4(n):
+    """n rounded up to a multiple of 4: where `_padded` puts the next part of a buffer."""
+    return (n + 3) // 4 * 4
+
+
+@triton.jit
+def _amax_2d_kernel(x_ptr, amax_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Per-row amaxes into amax[0:M], per-column into amax[M:M + K]."""
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rk = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
@@ -80,46 +85,48 @@ def _amax_2d_kernel(
     if ROWS:
         tl.atomic_max(amax_ptr + rm, tl.max(bits, axis=1), mask=rm < M)
     if COLS:
-        tl.atomic_max(amax_t_ptr + rk, tl.max(bits, axis=0), mask=rk < K)
+        tl.atomic_max(amax_ptr + M + rk, tl.max(bits, axis=0), mask=rk < K)
 
 
 @triton.jit
 def _cast_kernel(
-    x_ptr, out_ptr, out_t_ptr, amax_ptr, amax_t_ptr, scale_ptr, inv_ptr, scale_t_ptr, inv_t_ptr, M, K,
+    x_ptr, out_ptr, out_t_ptr, amax_ptr, scales_ptr, M, K,
     ROWWISE: tl.constexpr, SCALE_GIVEN: tl.constexpr, WRITE: tl.constexpr, WRITE_T: tl.constexpr,
     DTYPE: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
-    """x (M, K) -> out (M, K) and/or out_t (K, M). Tensorwise: one scale, given in scale_ptr
-    or from amax[0] (then written to scale_ptr/inv_ptr). Rowwise: out uses per-row scales
-    (from amax[0:M], written to scale/inv), out_t per-column ones (amax_t[0:K], to scale_t/inv_t)."""
+    """x (M, K) -> out (M, K) and/or out_t (K, M). Tensorwise: one scale, given at scales[0] or from
+    amax[0] (then written to scales[0], its inverse to scales[4]). Rowwise: out uses per-row scales
+    (from amax[0:M]), out_t per-column ones (amax[M:M + K]), written as `_rows_parts` reads them:
+    row scales, their inverses, column scales, theirs, each part starting at a multiple of 4."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rk = pid_k.to(tl.int64) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     if ROWWISE:
+        pm = _padded4(M)
         if WRITE:
             row_scale = _scale(tl.load(amax_ptr + rm, mask=rm < M, other=0), FMAX, POW2, EXACT)
             tl.store(out_ptr + rm[:, None] * K + rk[None, :], _to_float8(x, row_scale[:, None], FMAX, DTYPE), mask=mask)
             if pid_k == 0:
-                tl.store(scale_ptr + rm, row_scale, mask=rm < M)
-                tl.store(inv_ptr + rm, tl.math.div_rn(1.0, row_scale), mask=rm < M)
+                tl.store(scales_ptr + rm, row_scale, mask=rm < M)
+                tl.store(scales_ptr + pm + rm, tl.math.div_rn(1.0, row_scale), mask=rm < M)
         if WRITE_T:
-            col_scale = _scale(tl.load(amax_t_ptr + rk, mask=rk < K, other=0), FMAX, POW2, EXACT)
+            col_scale = _scale(tl.load(amax_ptr + M + rk, mask=rk < K, other=0), FMAX, POW2, EXACT)
             y = tl.trans(_to_float8(x, col_scale[None, :], FMAX, DTYPE))
             tl.store(out_t_ptr + rk[:, None] * M + rm[None, :], y, mask=tl.trans(mask))
             if pid_m == 0:
-                tl.store(scale_t_ptr + rk, col_scale, mask=rk < K)
-                tl.store(inv_t_ptr + rk, tl.math.div_rn(1.0, col_scale), mask=rk < K)
+                tl.store(scales_ptr + 2 * pm + rk, col_scale, mask=rk < K)
+                tl.store(scales_ptr + 2 * pm + _padded4(K) + rk, tl.math.div_rn(1.0, col_scale), mask=rk < K)
     else:
         if SCALE_GIVEN:
-            scale = tl.load(scale_ptr)
+            scale = tl.load(scales_ptr)
         else:
             scale = _scale(tl.load(amax_ptr), FMAX, POW2, EXACT)
             if (pid_m == 0) & (pid_k == 0):
-                tl.store(scale_ptr, scale)
-                tl.store(inv_ptr, tl.math.div_rn(1.0, scale))
+                tl.store(scales_ptr, scale)
+                tl.store(scales_ptr + 4, tl.math.div_rn(1.0, scale))
         y = _to_float8(x, scale, FMAX, DTYPE)
         if WRITE:
             tl.store(out_ptr + rm[:, None] * K + rk[None, :], y, mask=mask)
@@ -156,8 +163,8 @@ def _grid(m: int, k: int) -> tuple[int, int]:
 
 
 def _padded(sizes: list[int]) -> list[int]:
-    """Sizes rounded up to a multiple of 4 float32s: cuBLAS float8 GEMMs refuse scale pointers that
-    are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED)."""
+    """Sizes rounded up to a multiple of 4 float32s (the kernels' `_padded4`): cuBLAS float8 GEMMs
+    refuse scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED)."""
     return [-(-n // 4) * 4 for n in sizes]
 
 
@@ -165,11 +172,6 @@ def _aligned_views(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]
     """Consecutive parts of `buffer` of these sizes, each starting 16-byte aligned."""
     padded = _padded(sizes)
     return [buffer[sum(padded[:i]):sum(padded[:i]) + n] for i, n in enumerate(sizes)]
-
-
-def _aligned_parts(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Tensors of these sizes from one allocation, each starting 16-byte aligned."""
-    return _aligned_views(torch.empty(sum(_padded(sizes)), dtype=dtype, device=device), sizes)
 
 
 def _constants(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> dict:
@@ -202,11 +204,12 @@ def cast_tensorwise_layouts(
     if scale is None:
         amax = torch.zeros(1, dtype=torch.int32, device=x.device)
         _amax_flat_kernel[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)
-        scale, inv = (t[0] for t in _aligned_parts([1, 1], torch.float32, x.device))
+        scales = torch.empty(sum(_padded([1, 1])), dtype=torch.float32, device=x.device)
+        scale, inv = (t[0] for t in _aligned_views(scales, [1, 1]))
     else:
-        amax, inv = None, None
+        amax, scales, inv = None, scale, None
     _cast_kernel[_grid(m, k)](
-        x, data, data_t, amax, None, scale, inv, None, None, m, k, ROWWISE=False, SCALE_GIVEN=amax is None,
+        x, data, data_t, amax, scales, m, k, ROWWISE=False, SCALE_GIVEN=amax is None,
         WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
     )
     return data, data_t, scale, inv
@@ -235,12 +238,12 @@ def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor:
     m, k = x.shape
     if not x.numel():
         return out
-    amax, amax_t = torch.zeros(m + k, dtype=torch.int32, device=x.device).split([m, k])
-    _amax_2d_kernel[_grid(m, k)](x, amax, amax_t, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
-    data, data_t, *scales = _rows_parts(out, m, k, rowmajor, transposed)
-    _cast_kernel[_grid(m, k)](
-        x, data, data_t, amax, amax_t, *scales, m, k, ROWWISE=True, SCALE_GIVEN=False, WRITE=rowmajor,
-        WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
+    # One buffer of amaxes and one of scales, indexed in the kernels: views cost host time a call.
+    amax, grid = torch.zeros(m + k, dtype=torch.int32, device=x.device), _grid(m, k)
+    _amax_2d_kernel[grid](x, amax, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
+    _cast_kernel[grid](
+        x, out[0] if rowmajor else None, out[int(rowmajor)] if transposed else None, amax, out[-1], m, k,
+        ROWWISE=True, SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
     )
     return out
 
@@ -248,12 +251,10 @@ def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor:
 # The kernels as one op that torch.compile keeps whole: traced, a per-column amax is an inductor
 # reduction across rows, fused with its producer and far slower than these two launches that
 # write both layouts (docs/benchmarks.md, "Rowwise casts as the kernels' op"). Its fake allocates.
-_cast_rows_op = torch.library.custom_op("float8_training::cast_rows", _cast_rows, mutates_args=())
-
-
-@_cast_rows_op.register_fake
-def _(x, float8_dtype, pow2, rowmajor, transposed):
-    return _rows_outputs(x, float8_dtype, rowmajor, transposed)
+_cast_rows_op = define_op(
+    "cast_rows", _cast_rows,
+    lambda x, float8_dtype, pow2, rowmajor, transposed: _rows_outputs(x, float8_dtype, rowmajor, transposed),
+)
 
 
 def cast_rowwise_layouts(
@@ -264,7 +265,7 @@ def cast_rowwise_layouts(
     transposed: (data, data_t, row scales (M, 1), their inverses, column scales (K, 1), their
     inverses), None for a layout not asked for. Inside torch.compile, one op."""
     m, k = _check_2d(x)
-    # Outside a compile the kernels are called straight: the op's dispatch costs ~25 us of host time a call.
+    # Outside a compile the kernels are called straight, without the op's dispatch (~7 us of host time a call).
     out = (_cast_rows_op if torch.compiler.is_compiling() else _cast_rows)(x, float8_dtype, pow2, rowmajor, transposed)
     data, data_t, *scales = _rows_parts(out, m, k, rowmajor, transposed)
     row_scale, row_inv, col_scale, col_inv = (t[:, None] for t in scales)

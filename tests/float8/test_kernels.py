@@ -293,13 +293,13 @@ for (dtype, name, fmax), (rowwise, given), pow2, layouts, x in all_pairs(
     [(True, False), (False, True), (True, True)], ["bf16", "fp32"],
 ):
     compile(kernels._cast_kernel,
-            {"x_ptr": f"*{x}", "out_ptr": f"*{name}", "out_t_ptr": f"*{name}", "amax_ptr": "*i32", "amax_t_ptr": "*i32",
-             "scale_ptr": "*fp32", "inv_ptr": "*fp32", "scale_t_ptr": "*fp32", "inv_t_ptr": "*fp32", "M": "i32", "K": "i32"},
+            {"x_ptr": f"*{x}", "out_ptr": f"*{name}", "out_t_ptr": f"*{name}", "amax_ptr": "*i32", "scales_ptr": "*fp32",
+             "M": "i32", "K": "i32"},
             {"ROWWISE": rowwise, "SCALE_GIVEN": given, "WRITE": layouts[0], "WRITE_T": layouts[1], "DTYPE": dtype,
              "FMAX": fmax, "POW2": pow2, "EXACT": True, **tile})
 compile(kernels._amax_flat_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32", "n": "i32"}, {"BLOCK": kernels.AMAX_BLOCK})
 for rows, cols in [(True, False), (False, True), (True, True)]:
-    compile(kernels._amax_2d_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32", "amax_t_ptr": "*i32", "M": "i32", "K": "i32"},
+    compile(kernels._amax_2d_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32", "M": "i32", "K": "i32"},
             {"ROWS": rows, "COLS": cols, **tile})
 compile(kernels._transpose_kernel, {"x_ptr": "*u8", "out_ptr": "*u8", "M": "i32", "K": "i32"}, tile)
 print("compiled")
