@@ -1,17 +1,18 @@
 """Time the memory-bound kernels around a float8 step's GEMMs on a GPU: the eager float8 casts one
 linear needs (float8/operands.py), per cast backend, and the AdamW update whose weights the float8
-weight casts then read.
+weight casts then read; and the host time of a cast call.
 
 Casts: for LLaMA-2-7B shapes at 8,192 tokens, an activation or gradient cast into both layouts its
 two GEMMs read (tensorwise, rowwise, and blockwise's 1x128 tiles), a weight cast with a known
 scale (FSDP's float8 all-gather), and a float8 transpose; ms and effective bandwidth (bytes the
 cast must move at least: one read of the input, each output written once) per backend. AdamW:
 torch's fused kernel against the trainer's Triton kernel at each program size and warp count
-(scripts/harness/float8_bench/adamw.py). Prints the tables last; writes JSON (an earlier file
-there moves to previous-N/ beside it first).
+(scripts/harness/float8_bench/adamw.py). Host: microseconds of CPU time a rowwise, 1x128-tile or
+tensorwise cast call costs, through its op and straight (scripts/harness/float8_bench/host.py).
+Prints the tables last; writes JSON (an earlier file there moves to previous-N/ beside it first).
 
     python scripts/bench_float8_casts.py --out bench_float8_casts.json
-    python scripts/bench_float8_casts.py --only adamw
+    python scripts/bench_float8_casts.py --only adamw,host
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from float8.operands import Operand, cast_weight_with_scale, operands_both, tran
 from float8.recipe import RECIPES
 from float8.scaling import E4M3, cast_with_scale
 from scripts.harness.arguments import comma_names
-from scripts.harness.float8_bench import adamw
+from scripts.harness.float8_bench import adamw, host
 from scripts.harness.float8_bench.timing import Timer
 from trainer.run_folder import keep_earlier_results
 
 BACKENDS = ("triton", "compiled", "plain")
-SECTIONS = ("casts", "adamw")
+SECTIONS = ("casts", "adamw", "host")
 TOKENS = 8192
 ACTIVATIONS = [(TOKENS, 4096), (TOKENS, 11008)]
 WEIGHTS = [(4096, 4096), (11008, 4096)]
@@ -98,9 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         updates = [{"kernel": name, "ms": (ms := time_ms(fn)), "tb_per_s": adamw.BYTES_PER_PARAM * n_params / ms / 1e9}
                    for name, fn in kernels]
         del kernels, weights
+    host_calls = [{"call": name, "us": host.host_us(fn)} for name, fn in host.calls(torch.device("cuda"))] if "host" in only else []
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "results": rows,
-              "adamw": {"params": n_params, "results": updates}}
+              "adamw": {"params": n_params, "results": updates},
+              "host": {"shape": list(host.SHAPE), "results": host_calls}}
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {opts.out} ({result['device']}, torch {torch.__version__})")
     if rows:
@@ -113,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nAdamW over {n_params / 1e6:,.0f} M fp32 parameters")
     for r in updates:
         print(f"{r['kernel']:40} {r['ms']:7.3f} ms {r['tb_per_s']:5.2f} TB/s")
+    if host_calls:
+        print(f"\nHost time a cast call, {host.SHAPE[0]} x {host.SHAPE[1]} bf16")
+    for r in host_calls:
+        print(f"{r['call']:48} {r['us']:7.1f} us")
 
 
 if __name__ == "__main__":
