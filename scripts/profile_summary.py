@@ -7,7 +7,8 @@
 Reads Chrome traces as trainer/metrics/profiling.py writes them (`--profiling.enable true
 --profiling.steps [N]`; `.json` or `.json.gz`) and prints, per trace, the device time of each
 kernel class (GEMM, attention, float8 casts, optimizer, FSDP copies, NCCL and the rest), NCCL
-time not overlapped, GPU idle time, the step's wall time and the kernels with most time.
+time not overlapped, GPU idle time, the step's wall time, the kernels with most time and the
+host events with most self time (where the host goes when the GPU idles).
 How a kernel is classed: scripts/harness/traces.py. A trace without GPU kernels (a CPU run) is
 summarised by the self time of its CPU ops in the same classes.
 """
@@ -44,6 +45,9 @@ def render(paths: list[str], summaries: list[dict[str, Any]]) -> str:
         if s["top"]:
             lines += ["", f"[{i}] top {'kernels' if s['device'] == 'gpu' else 'CPU ops'} by time:"]
             lines += [f"  {t['ms']:10.2f} ms {t['count']:6}x  {t['class']:11}  {t['name'][:100]}" for t in s["top"]]
+        if s.get("host_top"):
+            lines += ["", f"[{i}] top host events by self time (CPU ops, runtime calls, annotations):"]
+            lines += [f"  {t['ms']:10.2f} ms {t['count']:6}x  {t['name'][:100]}" for t in s["host_top"]]
     return "\n".join(lines)
 
 

@@ -26,7 +26,10 @@ the launch on its CPU thread, and that thread's enclosing ops give the context):
 plus the rest (other elementwise/reduction, memcpy/memset), the step's wall time (first
 to last event), and GPU idle: time between the step's first and last GPU activity when no
 kernel, copy or collective runs on the device. A trace without GPU kernels (a CPU run) is
-summarised by the self time of its CPU ops in the same classes.
+summarised by the self time of its CPU ops in the same classes. A GPU trace also lists the host
+events with most self time (CPU ops, runtime calls, annotations: Python between ops counts in
+the event around it, such as ProfilerStep#N or an inductor graph's call): where a step whose GPU
+idles waits on its host spends it, and, as synchronisations, where a host waits on its GPU.
 """
 
 from __future__ import annotations
@@ -231,6 +234,17 @@ def _empty_classes() -> dict[str, dict[str, float]]:
     return {key: {"ms": 0.0, "count": 0} for key in CLASSES}
 
 
+def _host_top(cpu: list[dict[str, Any]], threads: _Threads, top: int) -> list[dict[str, Any]]:
+    """The `top` host event names with most self time, summed over every CPU thread."""
+    by_name: dict[str, list[float]] = {}
+    for e in cpu:
+        entry = by_name.setdefault(e.get("name", ""), [0.0, 0])
+        entry[0] += threads.self_us(e) / 1e3
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": n, "ms": round(ms, 3), "count": k} for n, (ms, k) in ranked]
+
+
 def summarize(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
     """Per-class times (ms) and counts, NCCL overlap, GPU idle and wall time of one trace."""
     spans = [e for e in trace["traceEvents"] if _is_span(e) and e.get("cat") != "Trace"]
@@ -276,6 +290,7 @@ def summarize(trace: dict[str, Any], top: int = 5) -> dict[str, Any]:
             idle += (last - first) - _union(lanes["all"])
             nccl_alone += _union(lanes["nccl"] + lanes["compute"]) - _union(lanes["compute"])
         result.update(gpu_idle_ms=idle / 1e3, nccl_not_overlapped_ms=nccl_alone / 1e3, devices=len(per_device))
+        result["host_top"] = _host_top(cpu, threads, top)
     else:
         for e in cpu:
             if e.get("cat") == "cpu_op":

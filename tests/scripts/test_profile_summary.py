@@ -96,6 +96,9 @@ def test_synthetic_gpu_trace_exact_times():
     assert s["gpu_idle_ms"] == 5.0
     assert s["step_wall_ms"] == 40.0  # first CPU op at -3 ms to the memcpy's end at 37 ms
     assert s["top"][0] == {"class": "gemm", "name": gpu_name(0), "ms": 10.0, "count": 1}
+    # Host self time: the optimizer's annotation less the mul inside it; the mul less its launch.
+    assert s["host_top"][:2] == [{"name": "Optimizer.step#AdamW.step", "ms": 29.0, "count": 1},
+                                 {"name": "aten::mul", "ms": 0.9, "count": 1}]
 
 
 def _launched(op: str, start_ms: float, end_ms: float, corr: int, types: list[str] | None = None,
