@@ -3,7 +3,7 @@
 Defined on a `torch.library.Library` with one CompositeExplicitAutograd kernel and a fake, not
 with `torch.library.custom_op`: a custom op's call goes through Python twice (its autograd
 layer, then its kernel), about 35 us of host time a call on an H100 machine's CPU against about
-8 us here (docs/benchmarks.md, "Host time of the float8 ops"), and rowwise and blockwise steps
+8 us here (docs/benchmarks.md, "The float8 ops' host time"), and rowwise and blockwise steps
 call these ops hundreds of times, enough for the host to pace them. None of them has a
 gradient: they run inside the float8 linear's autograd.Function, on tensors that need none.
 """
