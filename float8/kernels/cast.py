@@ -126,7 +126,7 @@ def _cast_kernel(
             scale = _scale(tl.load(amax_ptr), FMAX, POW2, EXACT)
             if (pid_m == 0) & (pid_k == 0):
                 tl.store(scales_ptr, scale)
-                tl.store(scales_ptr + 4, tl.math.div_rn(1.0, scale))
+                tl.store(scales_ptr + _padded4(1), tl.math.div_rn(1.0, scale))
         y = _to_float8(x, scale, FMAX, DTYPE)
         if WRITE:
             tl.store(out_ptr + rm[:, None] * K + rk[None, :], y, mask=mask)
