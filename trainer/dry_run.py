@@ -22,9 +22,10 @@ DEFAULT_NPROC_PER_NODE = 8
 
 
 def _planned_world_size(cfg: Config) -> int:
-    """job.dry_run_world_size when given, else torchrun's world, or, planned without it, the layout the config names."""
-    if cfg.job.dry_run_world_size:
-        return cfg.job.dry_run_world_size
+    """job.dry_run_world_size when given, else the simulated world, torchrun's, or, planned without either, the
+    layout the config names."""
+    if cfg.job.dry_run_world_size or cfg.parallelism.simulate_world_size:
+        return cfg.job.dry_run_world_size or cfg.parallelism.simulate_world_size
     if launched_by_torchrun():
         return launch_world_size()
     p = cfg.parallelism
@@ -56,7 +57,8 @@ def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str], comm: Sequence[s
     replicate, shard, tp = facts.layout
     data_parallel = f"dp {facts.dp} (HSDP: replicate {replicate} x shard {shard})" if replicate > 1 else f"dp {facts.dp} (FSDP2)"
     layout = f"world {facts.world_size} = {data_parallel} x tp {tp}"
-    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not cfg.job.dry_run_world_size:
+    world_given = cfg.job.dry_run_world_size or cfg.parallelism.simulate_world_size
+    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not world_given:
         layout += " (dp = -1 takes the rest of the world at launch)"
     if plan.fast_path.text:
         layout += f"; {plan.fast_path.text}"

@@ -17,7 +17,7 @@ from trainer.checkpoint.context import CheckpointContext, checkpoint_folder
 from trainer.checkpoint.initial_weights import check_initial_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Config, to_toml
-from trainer.data.exchange import world_exchange
+from trainer.data.exchange import LocalExchange, world_exchange
 from trainer.data.run_loaders import data_summary, run_loader
 from trainer.data.run_loaders import (
     sft_options as sft_options,  # scripts and tests import it from here
@@ -26,7 +26,7 @@ from trainer.distributed import process_group
 from trainer.distributed.memory_plan import check_fits
 from trainer.distributed.parallelize import parallelize_llama
 from trainer.errors import UserError
-from trainer.launch import launch_world_size
+from trainer.launch import launch_world_size, launched_by_torchrun
 from trainer.log import info, warn
 from trainer.metrics.logger import MetricsLogger, gpu_bf16_peak_flops, memory_stats
 from trainer.metrics.profiling import StepProfiler
@@ -89,9 +89,13 @@ class Trainer:
         """
         cfg = self.cfg
         check_installed(cfg.metrics)
-        plan = RunPlan.resolve(cfg, launch_world_size())
+        simulated = cfg.parallelism.simulate_world_size
+        if simulated and launched_by_torchrun():
+            raise UserError("parallelism.simulate_world_size makes one process a whole world: start it with python, "
+                            "not torchrun")
+        plan = RunPlan.resolve(cfg, simulated or launch_world_size())
         check_initial_weights_fit(cfg.checkpoint, checkpoint_folder(cfg), plan.model_args)
-        self.dist = process_group.init_distributed(plan.device_type)
+        self.dist = process_group.init_distributed(plan.device_type, simulate_world_size=simulated)
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # Before the data is read and any weight allocated: a plan whose memory cannot fit is
         # refused with the numbers (trainer/distributed/memory_plan.py).
@@ -105,7 +109,8 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         # One gloo group for the training and held-out loaders and the stop request: they use it in
         # turn, on this thread, in the same order on every rank, and never wait for the device there.
-        self.host_exchange = world_exchange()
+        # A mirror world has no other processes: this one reads every row itself.
+        self.host_exchange = LocalExchange() if cfg.parallelism.simulate_world_size else world_exchange()
         loader = functools.partial(run_loader, cfg, tokenizer=plan.tokenizer, dp_rank=self.dp_rank, dp=plan.facts.dp,
                                    exchange=self.host_exchange, verbose=self.is_main)
         self.dataloader = loader("data", cfg.data.num_workers)
@@ -136,6 +141,9 @@ class Trainer:
         lines += data_summary(self.cfg, self.dataloader, self.validator.loader if self.validator else None)
         for line in lines + plan.float8.summary_lines():
             info(line)
+        if n := self.cfg.parallelism.simulate_world_size:
+            warn(f"parallelism.simulate_world_size = {n}: this process is rank 0 of {n} mirrored ranks, whose collectives "
+                 "move no data; its step is one GPU's share of the work, links aside, and its losses are not a real run's")
 
     # -- the loop ------------------------------------------------------------
 

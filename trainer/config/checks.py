@@ -56,6 +56,9 @@ def validate(cfg: Config) -> None:
             "compile.mode = 'model' does not work with tensor_parallel_degree > 1 "
             "(torch cannot compile the vocab-parallel embedding); use compile.mode = 'block'"
         )
+    if cfg.parallelism.simulate_world_size and cfg.checkpoint.enable:
+        raise UserError("parallelism.simulate_world_size measures a step and saves nothing (its weights are not a real "
+                        "run's): set checkpoint.enable = false")
     dp = cfg.parallelism.data_parallel_shard_degree
     if dp == 0 or dp < -1:
         raise UserError(f"parallelism.data_parallel_shard_degree must be -1 or positive, got {dp}")
@@ -90,7 +93,7 @@ def _check_signs(cfg: Config) -> None:
         ("training", "max_norm"), ("optimizer", "weight_decay"), ("lr_scheduler", "warmup_steps"),
         ("checkpoint", "keep_latest_k"), ("metrics", "float8_stats_freq"), ("validation", "steps"), ("model", "n_layers"), ("model", "max_seq_len"), ("float8", "min_features"),
         ("optimizer", "eps"), ("training", "skip_nonfinite_steps"), ("data", "num_workers"),
-        ("job", "dry_run_world_size"), ("job", "dry_run_nproc_per_node"),
+        ("job", "dry_run_world_size"), ("job", "dry_run_nproc_per_node"), ("parallelism", "simulate_world_size"),
     ]
     for section, key in non_negative:
         value = getattr(getattr(cfg, section), key)

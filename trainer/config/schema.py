@@ -156,12 +156,12 @@ class ParallelismConfig:
     reshard_after_forward: bool = _opt(True, "FSDP: free gathered weights after forward (saves memory, regathers in backward).")
     float8_tensor_parallel: bool = _opt(True, "With tensorwise float8, use float8-aware TP styles (all-gathers move float8).")
     loss_parallel: bool = _opt(True, "With TP: keep the logits sharded on the vocab dim and compute the cross-entropy in parallel, so no rank holds full-vocab logits.")
-    single_rank_fast_path: bool = _opt(
-        True,
-        "At a data-parallel degree of 1: FSDP2's unshard and gradient reduction without the copies and host work "
-        "one rank does not need (bitwise the same results; applied on the torch versions it was tested with, "
-        "else plain FSDP2). false = plain FSDP2. docs/parallelism.md, 'One rank'.",
-    )
+    single_rank_fast_path: bool = _opt(True, "At a data-parallel degree of 1: FSDP2's unshard and gradient reduction without the "
+                                       "copies and host work one rank does not need (bitwise the same results; applied on the torch versions "
+                                       "it was tested with, else plain FSDP2). false = plain FSDP2. docs/parallelism.md, 'One rank'.")
+    simulate_world_size: int = _opt(0, "Benchmarks: run this one process as rank 0 of N ranks whose collectives move no data (each rank "
+                                    "mirrors this one): a step does one GPU's share of an N-GPU run, links aside. Not under torchrun; "
+                                    "losses are not a real run's; no checkpoints. 0 = off. docs/parallelism.md, 'N ranks on one GPU'.")
 
 
 @_section

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.config import Layout
+from trainer.distributed.mirror_world import init_mirror_world
 from trainer.log import warn
 
 
@@ -39,8 +40,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_type: str, timeout_s: int = 1800) -> DistInfo:
-    """Join torchrun's process group, or create a one-rank group when run directly."""
+def init_distributed(device_type: str, timeout_s: int = 1800, simulate_world_size: int = 0) -> DistInfo:
+    """Join torchrun's process group, or create a one-rank group when run directly; with
+    `simulate_world_size` N, make this process rank 0 of a mirror world of N (mirror_world.py)."""
+    if simulate_world_size:
+        device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+        if device_type == "cuda":
+            torch.cuda.set_device(device)
+        init_mirror_world(simulate_world_size)
+        return DistInfo(rank=0, local_rank=0, world_size=simulate_world_size, device=device)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
