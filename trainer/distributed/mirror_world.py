@@ -40,7 +40,7 @@ def _reduce_copies(tensor: torch.Tensor, op: dist.ReduceOp, copies: int) -> None
         tensor.mul_(copies)
     elif op == dist.ReduceOp.PRODUCT:
         tensor.pow_(copies)
-    # AVG, MIN, MAX and the bitwise reductions of identical values are the value itself.
+    # AVG, MIN, MAX, BAND and BOR of identical values are the value itself.
 
 
 class MirrorProcessGroup(dist.ProcessGroup):
