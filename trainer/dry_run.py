@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from trainer.config import Config
-from trainer.distributed.comm_plan import GB, StepShape, comm_plan
+from trainer.distributed.comm_plan import GB, Collective, StepShape, comm_plan
 from trainer.distributed.memory_plan import check_fits
 from trainer.launch import launch_world_size, launched_by_torchrun, local_world_size
 from trainer.log import info
@@ -87,8 +87,9 @@ def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str], comm: Sequence[s
     return [*lines, *comm, *(f"  warning: {note}" for note in warnings)]
 
 
-def comm_lines(cfg: Config, plan: RunPlan, model: nn.Module) -> list[str]:
-    """The communication plan of `model` (on meta, float8-converted) in the plan's layout: a line per collective."""
+def comm_rows(cfg: Config, plan: RunPlan, model: nn.Module) -> tuple[list[Collective], int]:
+    """The communication plan of `model` (on meta, float8-converted) in the plan's layout, and the GPUs per node
+    it assumes."""
     t, ac = cfg.training, cfg.activation_checkpoint
     shape = StepShape(
         tokens=t.batch_size * t.seq_len, grad_accum=t.gradient_accumulation_steps,
@@ -97,7 +98,12 @@ def comm_lines(cfg: Config, plan: RunPlan, model: nn.Module) -> list[str]:
         loss_parallel=plan.vocab_sharded_logits, ac_mode=ac.mode, ac_option=ac.selective_option,
     )
     per_node = cfg.job.dry_run_nproc_per_node or (local_world_size() if launched_by_torchrun() else DEFAULT_NPROC_PER_NODE)
-    rows = comm_plan(model, plan.facts.layout, shape, plan.float8.gathered_in_float8(), per_node)
+    return comm_plan(model, plan.facts.layout, shape, plan.float8.gathered_in_float8(), per_node), per_node
+
+
+def comm_lines(cfg: Config, plan: RunPlan, model: nn.Module) -> list[str]:
+    """The communication plan as the dry run prints it: a line per collective."""
+    rows, per_node = comm_rows(cfg, plan, model)
     lines = [f"  communication     per GPU per step (bus bytes), {per_node} GPUs per node:"]
     lines += [f"    {r.what:<46} {f'{r.dim} x{r.ranks}':<16} {_amount(r.bytes):>9}  "
               f"{'across nodes' if r.crosses_nodes else 'within a node'}" for r in rows]

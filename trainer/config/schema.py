@@ -153,7 +153,7 @@ class ParallelismConfig:
     data_parallel_replicate_degree: int = _opt(1, "HSDP: replicas of the FSDP-sharded model (gradients all-reduced across them); 1 = plain FSDP.")
     data_parallel_shard_degree: int = _opt(-1, "FSDP degree (within a replica); -1 = world size / (data_parallel_replicate_degree x tensor_parallel_degree).")
     tensor_parallel_degree: int = _opt(1, "Tensor (and sequence) parallel degree.")
-    reshard_after_forward: bool = _opt(True, "FSDP: free gathered weights after forward (saves memory, regathers in backward).")
+    reshard_after_forward: bool = _opt(True, "FSDP: free gathered weights after forward (saves memory, regathers in backward); the last block's and the root's (embedding, norm, output), which backward needs first, stay gathered either way.")
     float8_tensor_parallel: bool = _opt(True, "With tensorwise float8, use float8-aware TP styles (all-gathers move float8).")
     loss_parallel: bool = _opt(True, "With TP: keep the logits sharded on the vocab dim and compute the cross-entropy in parallel, so no rank holds full-vocab logits.")
     single_rank_fast_path: bool = _opt(True, "At a data-parallel degree of 1: FSDP2's unshard and gradient reduction without the "

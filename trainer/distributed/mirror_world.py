@@ -19,6 +19,8 @@ calls its single-tensor collectives `all_gather_single` / `reduce_scatter_single
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
@@ -26,6 +28,10 @@ from torch.futures import Future
 
 BACKEND = "mirror"
 _DEVICES = ("cpu", "cuda")
+# What the collectives of this process's mirror world would have moved per GPU, in bus bytes as the dry
+# run's communication plan counts them (trainer/distributed/comm_plan.py), by (group description, kind):
+# the mesh's groups are described "mesh_<dim>". Emptied when a mirror world starts.
+MOVED: Counter[tuple[str, str]] = Counter()
 
 
 def _done(result: object) -> dist.Work:
@@ -50,6 +56,10 @@ class MirrorProcessGroup(dist.ProcessGroup):
         super().__init__(rank, world_size)
         self._world_size = world_size
 
+    def _moved(self, kind: str, tensor_bytes: int, passes: int = 1) -> None:
+        """A ring collective of a full tensor of `tensor_bytes`: each GPU sends `passes` x (n - 1) / n of it."""
+        MOVED[self.group_desc, kind] += passes * tensor_bytes * (self._world_size - 1) / self._world_size
+
     def size(self) -> int:
         return self._world_size
 
@@ -68,6 +78,7 @@ class MirrorProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions = dist.AllreduceOptions()) -> dist.Work:  # noqa: B008
         for t in tensors:
             _reduce_copies(t, opts.reduceOp, self._world_size)
+            self._moved("all-reduce", t.nbytes, passes=2)
         return _done(tensors)
 
     allreduce_coalesced = allreduce
@@ -76,16 +87,20 @@ class MirrorProcessGroup(dist.ProcessGroup):
         return _done(None)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:
-        return _done(tensors)  # the root's value is every rank's
+        for t in tensors:  # the root's value is every rank's
+            MOVED[self.group_desc, "broadcast"] += t.nbytes
+        return _done(tensors)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: object = None) -> dist.Work:
         for slots, source in zip(outputs, inputs, strict=True):
+            self._moved("all-gather", source.nbytes * self._world_size)
             for slot in slots:
                 if slot.data_ptr() != source.data_ptr():
                     slot.copy_(source)
         return _done(outputs)
 
     def _allgather_base(self, output: torch.Tensor, source: torch.Tensor, opts: object = None) -> dist.Work:
+        self._moved("all-gather", output.nbytes)
         rows, flat = output.view(self._world_size, -1), source.reshape(-1)
         if flat.data_ptr() == rows.data_ptr():
             rows = rows[1:]  # FSDP gathers in place: rank 0's slot is the input itself
@@ -104,6 +119,7 @@ class MirrorProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: torch.Tensor, source: torch.Tensor,
                              opts: dist.ReduceScatterOptions = dist.ReduceScatterOptions()) -> dist.Work:  # noqa: B008
+        self._moved("reduce-scatter", source.nbytes)
         output.view(-1).copy_(source.view(self._world_size, -1)[0])
         _reduce_copies(output, opts.reduceOp, self._world_size)
         return _done(output)
@@ -121,6 +137,7 @@ class MirrorProcessGroup(dist.ProcessGroup):
 
 def init_mirror_world(world_size: int) -> None:
     """Make this process rank 0 of a mirror world of `world_size` ranks (the default process group)."""
+    MOVED.clear()
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(
             BACKEND, lambda store, rank, size, timeout: MirrorProcessGroup(rank, size), devices=list(_DEVICES)

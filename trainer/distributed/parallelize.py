@@ -164,7 +164,9 @@ def apply_fsdp(
         # The last block's weights are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
                     shard_placement_fn=place)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, shard_placement_fn=place)
+    # So are the root's (the output layer's backward runs first, the embedding's last): FSDP2's own choice for
+    # a root, which an explicit True would override with a second all-gather of them a step.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=place)
 
 
 def _shard_placement(ranks: int):

@@ -1,5 +1,6 @@
 """parallelism.simulate_world_size: one process as rank 0 of N mirrored ranks takes FSDP2's N-rank path,
-and the mirror's collectives are those of N ranks holding the same values."""
+the mirror's collectives are those of N ranks holding the same values, and what they move in a step is
+what the dry run's communication plan says, layout by layout."""
 
 from __future__ import annotations
 
@@ -10,8 +11,19 @@ import torch.distributed as dist
 from tests.helpers import read_metrics, train_in_process
 from trainer.config import build_config
 from trainer.config.checks import validate
+from trainer.distributed import mirror_world
 from trainer.distributed.mirror_world import MirrorProcessGroup
+from trainer.dry_run import comm_rows
 from trainer.errors import UserError
+from trainer.model_setup import build_meta_model
+from trainer.plan import RunPlan
+
+# The debug model, 2 layers, 2 x 32 tokens a rank, on CPU: one step in this process.
+DEBUG_STEP = [
+    "--config", "configs/debug.toml", "--training.steps", "1", "--training.batch_size", "2", "--training.seq_len", "32",
+    "--training.device", "cpu", "--model.n_layers", "2", "--validation.enable", "false", "--data.num_workers", "0",
+    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+]
 
 
 def _options(op: dist.ReduceOp.RedOpType, kind: type) -> object:
@@ -55,12 +67,8 @@ def test_one_process_takes_fsdps_four_rank_path(tmp_path, monkeypatch) -> None:
         copy_in(grads, buffer, world_size)
 
     monkeypatch.setattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", recording_copy_in)
-    cfg = build_config([
-        "--config", "configs/debug.toml", "--job.dump_folder", str(tmp_path), "--training.steps", "2",
-        "--training.batch_size", "2", "--training.seq_len", "32", "--training.device", "cpu", "--model.n_layers", "2",
-        "--validation.enable", "false", "--data.num_workers", "0", "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--parallelism.simulate_world_size", "4",
-    ])
+    cfg = build_config([*DEBUG_STEP, "--training.steps", "2", "--job.dump_folder", str(tmp_path),
+                        "--parallelism.simulate_world_size", "4"])
     trainer = train_in_process(cfg)
     wq = trainer.model.layers["0"].attention.wq.weight
     assert wq.to_local().shape[0] * 4 == wq.shape[0]  # a quarter of the rows, as each of 4 GPUs holds
@@ -79,3 +87,30 @@ def test_refused_with_checkpoints_and_under_torchrun(tmp_path, monkeypatch) -> N
     cfg = build_config(["--parallelism.simulate_world_size", "4", "--job.dump_folder", str(tmp_path)])
     with pytest.raises(UserError, match="start it with python, not torchrun"):
         Trainer(cfg)
+
+
+@pytest.mark.version_specific
+@pytest.mark.parametrize("layout", [
+    ["--float8.enabled", "true", "--float8.fsdp_float8_all_gather", "true"],  # FSDP 4, weights gathered in float8
+    ["--parallelism.data_parallel_replicate_degree", "2"],  # HSDP 2 x 2
+    ["--parallelism.tensor_parallel_degree", "2", "--float8.enabled", "true"],  # FSDP 2 x TP 2, float8 TP styles
+], ids=["fsdp4-float8", "hsdp2x2", "fsdp2-tp2-float8"])
+def test_a_step_moves_what_the_communication_plan_says(tmp_path, layout: list[str]) -> None:
+    cfg = build_config([*DEBUG_STEP, "--job.dump_folder", str(tmp_path), "--parallelism.simulate_world_size", "4", *layout])
+    train_in_process(cfg)
+    moved = {key: n for key, n in mirror_world.MOVED.items() if key[1] != "broadcast"}  # the initial weights'
+    plan = RunPlan.resolve(cfg, 4, load_tokenizer=False)
+    model = build_meta_model(plan.model_args)
+    plan.float8.convert(model, time_linears=False)
+    planned: dict[tuple[str, str], float] = {}
+    for row in comm_rows(cfg, plan, model)[0]:
+        group = "default_pg" if row.ranks == 4 else f"mesh_{row.dim}"  # a mesh dim spanning the world is its group
+        kind = next(k for k in ("all-gather", "reduce-scatter", "all-reduce") if k in row.what)
+        planned[group, kind] = planned.get((group, kind), 0.0) + row.bytes
+    for key, size in planned.items():
+        if key[1] == "all-reduce":  # beside the plan's, scalars it leaves out: token counts, loss, grad-norm parts
+            assert size <= moved.get(key, 0.0) < size + 4096, key
+        else:
+            assert moved.get(key) == pytest.approx(size, rel=1e-9), key
+    # Nothing large moves that the plan does not list.
+    assert all(n < 4096 for key, n in moved.items() if key not in planned), moved
