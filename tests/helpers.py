@@ -201,7 +201,9 @@ def _run_forked(script: str, args: list[str], nproc: int, timeout: int, env: dic
                 output, errors = out.read(), err.read()
                 print(f"the run timed out after {timeout} s; its stderr's end:\n{errors[-20000:]}", file=sys.stderr)
                 raise subprocess.TimeoutExpired(cmd, timeout, output, errors)
-            multiprocessing.connection.wait([r.sentinel for r in ranks if r.is_alive()], left)
+            # Woken every few seconds to look again: a CI run once slept here until its deadline (300 s) with both
+            # ranks already gone and reaped (2026-12-05, torch 2.11 job), then passed.
+            multiprocessing.connection.wait([r.sentinel for r in ranks if r.is_alive()], min(left, 5.0))
             failed = any(r.exitcode not in (None, 0) for r in ranks)
         if failed:
             for rank in ranks:
