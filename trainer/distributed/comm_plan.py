@@ -16,11 +16,15 @@ What a step does (trainer/step.py, trainer/distributed/parallelize.py):
 - TP (sequence parallel), per micro-batch and block: the attention and FFN inputs are all-gathered, the wo and
   w2 outputs reduce-scattered, in the activation dtype; backward mirrors each (an all-gather's gradient is
   reduce-scattered and the other way round); the float8 TP styles move the all-gathers (forward and backward)
-  in float8, each with a 4-byte amax all-reduce. The embedding's output is reduce-scattered and the output
+  in float8, each with a 4-byte amax all-reduce. The norms' weights are replicated over TP and see a
+  sequence shard each: their gradients are all-reduced per micro-batch. The embedding's output is reduce-scattered and the output
   layer's input all-gathered (mirrored in backward); with loss parallel the cross-entropy all-reduces three
   fp32 values per token, without it the full logits are all-gathered. Activation checkpointing repeats a
-  recomputed block's forward collectives in backward (`full`, every N-th block for `selective` N, the
-  all-gathers alone for `op`, which saves reduce-scatter outputs).
+  recomputed block's forward collectives in backward: for `full` and every N-th block of `selective` N both
+  all-gathers and the attention's reduce-scatter (the recompute stops once it has what backward saved, before
+  the FFN output's reduce-scatter: torch.utils.checkpoint's early stop), for `op` the all-gathers alone (it
+  saves reduce-scatter outputs). tests/trainer/distributed/test_mirror_world.py checks these bytes against
+  what a step's collectives move.
 """
 
 from __future__ import annotations
@@ -129,14 +133,17 @@ def _tp_collectives(shape: StepShape, n_layers: int, dim: int, vocab: int, tp: i
     gather = 1 if shape.tp_float8 else act
     gathers_recomputed, scatters_recomputed = _recomputed_blocks(shape, n_layers)
     # Per block: 2 forward all-gathers (backward: reduce-scatters of their gradients), 2 forward
-    # reduce-scatters (backward: all-gathers); the root: one of each way, in the activation dtype.
+    # reduce-scatters (backward: all-gathers); the root: one of each way, in the activation dtype. A recompute
+    # repeats both all-gathers and, for a fully checkpointed block, the first reduce-scatter only.
     all_gathers = (2 * n_layers + 2 * gathers_recomputed) * gather + 2 * n_layers * gather + 2 * act
-    reduce_scatters = (2 * n_layers + 2 * scatters_recomputed) * act + 2 * n_layers * act + 2 * act
+    reduce_scatters = (2 * n_layers + scatters_recomputed) * act + 2 * n_layers * act + 2 * act
     tokens = shape.tokens * shape.grad_accum
     rows = [
         ("TP all-gather, activations", "tp", tp, all_gathers * tokens * dim * _ring(tp)),
         ("TP reduce-scatter, activations", "tp", tp, reduce_scatters * tokens * dim * _ring(tp)),
     ]
+    norm_weights = (2 * n_layers + 1) * dim  # every block's two and the final one
+    rows.append(("TP all-reduce, norm weight gradients", "tp", tp, norm_weights * act * 2 * _ring(tp) * shape.grad_accum))
     if shape.tp_float8:
         amaxes = 2 * n_layers + 2 * gathers_recomputed + 2 * n_layers
         rows.append(("TP float8 amax, all-reduce", "tp", tp, amaxes * 4 * 2 * _ring(tp) * shape.grad_accum))

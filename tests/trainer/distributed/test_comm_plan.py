@@ -73,6 +73,7 @@ def test_7b_fsdp_4_tp_2():
         "TP all-gather, activations": ("tp", 2, tokens * D * (4 * L * 1 + 2 * 2) / 2, False),
         # Per block 2 forward, 2 backward (the all-gathers' gradients), the root's 2, all bf16.
         "TP reduce-scatter, activations": ("tp", 2, tokens * D * (4 * L * 2 + 2 * 2) / 2, False),
+        "TP all-reduce, norm weight gradients": ("tp", 2, (2 * L + 1) * D * 2 * 2 / 2, False),
         "TP float8 amax, all-reduce": ("tp", 2, 4 * L * 4 * 2 / 2, False),
         "TP loss parallel, all-reduce": ("tp", 2, tokens * 3 * 4 * 2 / 2, False),
     }
@@ -88,14 +89,15 @@ def test_debug_model_tp_with_recompute_accumulation_and_whole_logits():
     block = (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 768) // 2 + 2 * 256
     root = 2048 * 256 + 256
     # Two micro-batches all-gather (forward 4 blocks + root, backward 3 blocks), fp32; one reduce-scatter.
-    # TP per token x dim, fp32: every block's 2 forward all-gathers and 2 reduce-scatters again in the
-    # recompute, 2 each way in backward, the root's 2 each way.
+    # TP per token x dim, fp32: every block's 2 forward all-gathers again in the recompute and its first
+    # reduce-scatter (the recompute stops before the second), 2 each way in backward, the root's 2 each way.
     tokens = 8 * 64 * 2
     assert rows == {
         "FSDP all-gather, weights (forward + backward)": ("dp_shard", 2, 2 * 4 * (4 * block + root + 3 * block) / 2, True),
         "FSDP reduce-scatter, gradients": ("dp_shard", 2, 4 * (4 * block + root) / 2, True),
         "TP all-gather, activations": ("tp", 2, tokens * 256 * 4 * (8 + 8 + 8 + 2) / 2, False),
-        "TP reduce-scatter, activations": ("tp", 2, tokens * 256 * 4 * (8 + 8 + 8 + 2) / 2, False),
+        "TP reduce-scatter, activations": ("tp", 2, tokens * 256 * 4 * (8 + 4 + 8 + 2) / 2, False),
+        "TP all-reduce, norm weight gradients": ("tp", 2, 2 * (2 * 4 + 1) * 256 * 4 * 2 / 2, False),
         "TP all-gather, logits": ("tp", 2, tokens * 2048 * 4 / 2, False),
     }
 

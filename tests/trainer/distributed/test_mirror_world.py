@@ -94,7 +94,10 @@ def test_refused_with_checkpoints_and_under_torchrun(tmp_path, monkeypatch) -> N
     ["--float8.enabled", "true", "--float8.fsdp_float8_all_gather", "true"],  # FSDP 4, weights gathered in float8
     ["--parallelism.data_parallel_replicate_degree", "2"],  # HSDP 2 x 2
     ["--parallelism.tensor_parallel_degree", "2", "--float8.enabled", "true"],  # FSDP 2 x TP 2, float8 TP styles
-], ids=["fsdp4-float8", "hsdp2x2", "fsdp2-tp2-float8"])
+    ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"],  # recomputed collectives
+    ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+     "--training.gradient_accumulation_steps", "2"],
+], ids=["fsdp4-float8", "hsdp2x2", "fsdp2-tp2-float8", "tp2-full-ac", "tp2-op-ac-accum2"])
 def test_a_step_moves_what_the_communication_plan_says(tmp_path, layout: list[str]) -> None:
     cfg = build_config([*DEBUG_STEP, "--job.dump_folder", str(tmp_path), "--parallelism.simulate_world_size", "4", *layout])
     train_in_process(cfg)
@@ -109,8 +112,8 @@ def test_a_step_moves_what_the_communication_plan_says(tmp_path, layout: list[st
         planned[group, kind] = planned.get((group, kind), 0.0) + row.bytes
     for key, size in planned.items():
         if key[1] == "all-reduce":  # beside the plan's, scalars it leaves out: token counts, loss, grad-norm parts
-            assert size <= moved.get(key, 0.0) < size + 4096, key
+            assert size <= moved.get(key, 0.0) < size + 512, key
         else:
             assert moved.get(key) == pytest.approx(size, rel=1e-9), key
     # Nothing large moves that the plan does not list.
-    assert all(n < 4096 for key, n in moved.items() if key not in planned), moved
+    assert all(n < 512 for key, n in moved.items() if key not in planned), moved
