@@ -90,30 +90,32 @@ def test_refused_with_checkpoints_and_under_torchrun(tmp_path, monkeypatch) -> N
 
 
 @pytest.mark.version_specific
-@pytest.mark.parametrize("layout", [
-    ["--float8.enabled", "true", "--float8.fsdp_float8_all_gather", "true"],  # FSDP 4, weights gathered in float8
-    ["--parallelism.data_parallel_replicate_degree", "2"],  # HSDP 2 x 2
-    ["--parallelism.tensor_parallel_degree", "2", "--float8.enabled", "true"],  # FSDP 2 x TP 2, float8 TP styles
-    ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"],  # recomputed collectives
-    ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
-     "--training.gradient_accumulation_steps", "2"],
-], ids=["fsdp4-float8", "hsdp2x2", "fsdp2-tp2-float8", "tp2-full-ac", "tp2-op-ac-accum2"])
-def test_a_step_moves_what_the_communication_plan_says(tmp_path, layout: list[str]) -> None:
-    cfg = build_config([*DEBUG_STEP, "--job.dump_folder", str(tmp_path), "--parallelism.simulate_world_size", "4", *layout])
+@pytest.mark.parametrize(("world", "layout"), [
+    (4, ["--float8.enabled", "true", "--float8.fsdp_float8_all_gather", "true"]),  # FSDP 4, weights gathered in float8
+    (2, ["--float8.enabled", "true", "--float8.scaling", "blockwise", "--float8.fsdp_float8_all_gather", "true"]),
+    (4, ["--parallelism.data_parallel_replicate_degree", "2"]),  # HSDP 2 x 2
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--float8.enabled", "true"]),  # FSDP 2 x TP 2, float8 TP styles
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),  # recomputed collectives
+    (4, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+         "--training.gradient_accumulation_steps", "2", "--parallelism.loss_parallel", "false"]),
+], ids=["fsdp4-float8", "fsdp2-blockwise", "hsdp2x2", "fsdp2-tp2-float8", "tp2-full-ac", "tp2-op-ac-accum2-logits"])
+def test_a_step_moves_what_the_communication_plan_says(tmp_path, world: int, layout: list[str]) -> None:
+    cfg = build_config([*DEBUG_STEP, "--job.dump_folder", str(tmp_path), "--parallelism.simulate_world_size", str(world),
+                        *layout])
     train_in_process(cfg)
     moved = {key: n for key, n in mirror_world.MOVED.items() if key[1] != "broadcast"}  # the initial weights'
-    plan = RunPlan.resolve(cfg, 4, load_tokenizer=False)
+    plan = RunPlan.resolve(cfg, world, load_tokenizer=False)
     model = build_meta_model(plan.model_args)
     plan.float8.convert(model, time_linears=False)
     planned: dict[tuple[str, str], float] = {}
     for row in comm_rows(cfg, plan, model)[0]:
-        group = "default_pg" if row.ranks == 4 else f"mesh_{row.dim}"  # a mesh dim spanning the world is its group
+        group = "default_pg" if row.ranks == world else f"mesh_{row.dim}"  # a mesh dim spanning the world is its group
         kind = next(k for k in ("all-gather", "reduce-scatter", "all-reduce") if k in row.what)
         planned[group, kind] = planned.get((group, kind), 0.0) + row.bytes
     for key, size in planned.items():
         if key[1] == "all-reduce":  # beside the plan's, scalars it leaves out: token counts, loss, grad-norm parts
             assert size <= moved.get(key, 0.0) < size + 512, key
-        else:
-            assert moved.get(key) == pytest.approx(size, rel=1e-9), key
+        else:  # blockwise weights' 128 x 128-block scales (1/16384 of their elements) are left out of the plan
+            assert moved.get(key) == pytest.approx(size, rel=1e-3), key
     # Nothing large moves that the plan does not list.
     assert all(n < 512 for key, n in moved.items() if key not in planned), moved
