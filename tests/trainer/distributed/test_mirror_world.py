@@ -94,11 +94,12 @@ def test_refused_with_checkpoints_and_under_torchrun(tmp_path, monkeypatch) -> N
     (4, ["--float8.enabled", "true", "--float8.fsdp_float8_all_gather", "true"]),  # FSDP 4, weights gathered in float8
     (2, ["--float8.enabled", "true", "--float8.scaling", "blockwise", "--float8.fsdp_float8_all_gather", "true"]),
     (4, ["--parallelism.data_parallel_replicate_degree", "2"]),  # HSDP 2 x 2
+    (4, ["--parallelism.reshard_after_forward", "false"]),  # no weight gathered again in backward
     (4, ["--parallelism.tensor_parallel_degree", "2", "--float8.enabled", "true"]),  # FSDP 2 x TP 2, float8 TP styles
     (4, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"]),  # recomputed collectives
     (4, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
          "--training.gradient_accumulation_steps", "2", "--parallelism.loss_parallel", "false"]),
-], ids=["fsdp4-float8", "fsdp2-blockwise", "hsdp2x2", "fsdp2-tp2-float8", "tp2-full-ac", "tp2-op-ac-accum2-logits"])
+], ids=["fsdp4-float8", "fsdp2-blockwise", "hsdp2x2", "fsdp4-kept", "fsdp2-tp2-float8", "tp2-full-ac", "tp2-op-ac-accum2-logits"])
 def test_a_step_moves_what_the_communication_plan_says(tmp_path, world: int, layout: list[str]) -> None:
     cfg = build_config([*DEBUG_STEP, "--job.dump_folder", str(tmp_path), "--parallelism.simulate_world_size", str(world),
                         *layout])
