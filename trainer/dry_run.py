@@ -21,11 +21,15 @@ from trainer.precision import TORCH_DTYPES
 DEFAULT_NPROC_PER_NODE = 8
 
 
+def _given_world_size(cfg: Config) -> int:
+    """The world the config names outright: job.dry_run_world_size, else the simulated world; 0 for neither."""
+    return cfg.job.dry_run_world_size or cfg.parallelism.simulate_world_size
+
+
 def _planned_world_size(cfg: Config) -> int:
-    """job.dry_run_world_size when given, else the simulated world, torchrun's, or, planned without either, the
-    layout the config names."""
-    if cfg.job.dry_run_world_size or cfg.parallelism.simulate_world_size:
-        return cfg.job.dry_run_world_size or cfg.parallelism.simulate_world_size
+    """The given world size, else torchrun's, or, planned without either, the layout the config names."""
+    if given := _given_world_size(cfg):
+        return given
     if launched_by_torchrun():
         return launch_world_size()
     p = cfg.parallelism
@@ -57,8 +61,7 @@ def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str], comm: Sequence[s
     replicate, shard, tp = facts.layout
     data_parallel = f"dp {facts.dp} (HSDP: replicate {replicate} x shard {shard})" if replicate > 1 else f"dp {facts.dp} (FSDP2)"
     layout = f"world {facts.world_size} = {data_parallel} x tp {tp}"
-    world_given = cfg.job.dry_run_world_size or cfg.parallelism.simulate_world_size
-    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not world_given:
+    if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not _given_world_size(cfg):
         layout += " (dp = -1 takes the rest of the world at launch)"
     if plan.fast_path.text:
         layout += f"; {plan.fast_path.text}"
