@@ -10,6 +10,7 @@ import torch
 from models.llama import LlamaArgs
 from trainer.config import Config, check_layout, notes
 from trainer.data.tokenizer import Tokenizer
+from trainer.distributed.gradient_packing import GradientPacking, choose_gradient_packing
 from trainer.distributed.memory_plan import MemoryEstimate, estimate_for, n_params
 from trainer.distributed.single_rank_fast_path import FastPath, choose_fast_path
 from trainer.errors import UserError
@@ -56,6 +57,7 @@ class RunPlan:
     # TP keeps the logits sharded on the vocab (parallelism.loss_parallel).
     vocab_sharded_logits: bool
     fast_path: FastPath
+    gradient_packing: GradientPacking
     float8: Float8Seam
     precision: PrecisionLabels
     memory: MemoryEstimate
@@ -77,6 +79,7 @@ class RunPlan:
         # Float8 off gives a no-op seam: nothing that uses the plan asks whether float8 is on.
         float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, params.dtype))
         precision = PrecisionLabels.of(float8, params, cfg.training.mixed_precision_reduce)
+        packing, packing_note = choose_gradient_packing(cfg.parallelism.gradient_packing)
         total, _ = n_params(args)
         without_embedding = total - args.vocab_size * args.dim
         facts = RunFacts.for_run(
@@ -87,11 +90,11 @@ class RunPlan:
             device_type=device_type, params=params, tokenizer=tokenizer, model_args=args, facts=facts,
             params_without_embedding=without_embedding, vocab_sharded_logits=vocab_sharded_logits,
             fast_path=choose_fast_path(cfg.parallelism.single_rank_fast_path, layout.dp), float8=float8,
-            precision=precision,
+            gradient_packing=packing, precision=precision,
             # Replicas hold the whole of their shard group's state: the weights are split over the shards only.
             memory=estimate_for(cfg, args, device_type, layout.shard, layout.tp, params.dtype, vocab_sharded_logits,
                                 float8_memory(cfg.float8)),
-            notes=(*([params.warning] if params.warning else []), *notes(cfg)),
+            notes=(*([params.warning] if params.warning else []), *([packing_note] if packing_note else []), *notes(cfg)),
         )
 
     def warnings(self, device: torch.device) -> list[str]:

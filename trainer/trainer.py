@@ -59,6 +59,7 @@ class Trainer:
             activation_checkpoint=cfg.activation_checkpoint, compile_config=cfg.compile,
             param_dtype=TORCH_DTYPES[plan.params.dtype], reduce_dtype=TORCH_DTYPES[cfg.training.mixed_precision_reduce],
             reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=plan.fast_path.on,
+            gradient_packing=plan.gradient_packing,
         )
         init_weights(self.model, plan.model_args, cfg.training.seed, self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)

@@ -40,6 +40,7 @@ def main() -> None:
             activation_checkpoint=cfg.activation_checkpoint, compile_config=cfg.compile,
             param_dtype=torch.float32, reduce_dtype=torch.float32,
             reshard_after_forward=cfg.parallelism.reshard_after_forward, single_rank_fast_path=False,
+            gradient_packing=cfg.parallelism.gradient_packing,
         )
         init_weights(model, args, cfg.training.seed, info.device)
         with torch.no_grad():

@@ -26,6 +26,7 @@ CompileMode = Literal["none", "block", "model"]
 ActivationCheckpointMode = Literal["none", "full", "selective"]
 ParamDtype = Literal["auto", "bfloat16", "float32"]
 ReduceDtype = Literal["float32", "bfloat16"]
+GradientPacking = Literal["copies", "chunk_cat"]
 DeviceChoice = Literal["auto", "cuda", "cpu"]
 DataKind = Literal["pretrain", "sft"]
 DataFormat = Literal["auto", "text", "jsonl", "parquet"]
@@ -80,11 +81,8 @@ class ModelConfig:
     flavor: ModelFlavor = _opt("debug", "Model size.")
     tokenizer_path: str = _opt("data/tokenizer.model", "sentencepiece tokenizer.model (LLaMA-2 format: BOS 1, EOS 2).")
     n_layers: int = _opt(0, "Override the flavour's number of layers (0 = flavour default); e.g. fewer layers to fit one GPU.")
-    max_seq_len: int = _opt(
-        0,
-        "Longest sequence the model is built for (RoPE table size); 0 = the flavour's (debug 2048, 7B 4096). "
-        "Set it to at least training.seq_len to train beyond the flavour's length.",
-    )
+    max_seq_len: int = _opt(0, "Longest sequence the model is built for (RoPE table size); 0 = the flavour's (debug 2048, 7B 4096). "
+                               "Set it to at least training.seq_len to train beyond the flavour's length.")
     attention: AttentionKernel = _opt(
         "auto",
         "Attention kernel for packed samples (data.pack): sdpa = SDPA with a dense document mask; flex = "
@@ -159,6 +157,8 @@ class ParallelismConfig:
     single_rank_fast_path: bool = _opt(True, "At a data-parallel degree of 1: FSDP2's unshard and gradient reduction without the "
                                        "copies and host work one rank does not need (bitwise the same results; applied on the torch versions "
                                        "it was tested with, else plain FSDP2). false = plain FSDP2. docs/parallelism.md, 'One rank'.")
+    gradient_packing: GradientPacking = _opt("copies", "FSDP2: how each reduce-scatter's gradients are packed into its buffer: copies = one copy per gradient into a strided view "
+                                             "(torch versions it was tested with); chunk_cat = FSDP2's own. The same bytes. docs/parallelism.md, 'Gradient packing'.")
     simulate_world_size: int = _opt(0, "Benchmarks: run this one process as rank 0 of N ranks whose collectives move no data (each rank "
                                     "mirrors this one): a step does one GPU's share of an N-GPU run, links aside. Not under torchrun; "
                                     "losses are not a real run's; no checkpoints. 0 = off. docs/parallelism.md, 'N ranks on one GPU'.")

@@ -24,7 +24,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainer.config import ActivationCheckpointConfig, CompileConfig
+from trainer.config.schema import GradientPacking
 from trainer.distributed.activation_checkpoint import apply_ac
+from trainer.distributed.gradient_packing import use_gradient_packing
 from trainer.distributed.process_group import fsdp_mesh
 from trainer.distributed.single_rank_fast_path import apply_fast_path
 from trainer.errors import UserError
@@ -61,12 +63,14 @@ def parallelize_llama(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
     single_rank_fast_path: bool,
+    gradient_packing: GradientPacking,
 ) -> nn.Module:
     """Apply TP, AC, compile and FSDP2 to a (meta) LLaMA in the fixed order.
 
     vocab_sharded_logits: TP with loss parallel, the output logits stay sharded on the vocab.
     single_rank_fast_path: FSDP2 with the one-rank patches (trainer/distributed/single_rank_fast_path.py,
     whose `choose_fast_path` decides it); False is plain FSDP2.
+    gradient_packing: how every FSDP2 reduction packs its gradients (trainer/distributed/gradient_packing.py).
     """
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], tp_styles, loss_parallel=vocab_sharded_logits)
@@ -75,6 +79,7 @@ def parallelize_llama(
     if compile_config.mode != "none":
         apply_compile(model, compile_config.mode, compile_config.backend)
     apply_fsdp(model, fsdp_mesh(mesh), param_dtype, reduce_dtype, reshard_after_forward)
+    use_gradient_packing(gradient_packing)
     if single_rank_fast_path:
         apply_fast_path(model)
     return model

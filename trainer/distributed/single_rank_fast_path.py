@@ -3,10 +3,9 @@
 Why: with one rank FSDP2 still runs its N-rank machinery around collectives it skips. Its
 unshard casts each shard into a new tensor and copies that into the unsharded storage, one
 parameter at a time (~20 ms of a 16-layer LLaMA-2-7B bf16 step on one H200); its gradient
-reduction packs the gradients with `_chunk_cat`, whose CUDA version builds per-block
-metadata on the host (~2.8 ms of CPU per 7B block in backward), then copies the packed
-buffer into a second one. Two patches remove that work and change no value (bitwise FSDP's
-results: test_single_rank_gather.py, test_single_rank_reduce.py and test_single_rank_fast_path.py
+reduction copies the packed gradients into a second buffer (the packing itself is
+gradient_packing.py's at every rank count). Two patches remove that work and change no
+value (bitwise FSDP's results: test_single_rank_gather.py, test_single_rank_reduce.py and test_single_rank_fast_path.py
 in tests/trainer/distributed/):
 
 - single_rank_gather.py mirrors `FSDPParamGroup.wait_for_unshard` (torch/distributed/fsdp/
@@ -14,10 +13,9 @@ in tests/trainer/distributed/):
   all-gather-output setup (_fsdp_param.py): one `_foreach_copy_` per group, no copy at all for
   float8 weight shards kept between all-gathers. It replaces the method on the instances of
   the model's one-rank groups only.
-- single_rank_reduce.py mirrors `foreach_reduce_scatter_copy_in` and the world-size-1 copy of
-  `foreach_reduce` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) through FSDP's
-  public `set_custom_reduce_scatter`; the copy-in replacement acts only on buffers its own
-  reduce-scatter allocated, so other FSDP modules in the process keep FSDP's.
+- single_rank_reduce.py removes the world-size-1 copy of `foreach_reduce` (torch/distributed/
+  fsdp/_fully_shard/_fsdp_collectives.py) through FSDP's public `set_custom_reduce_scatter`: the
+  reduction's output is its input's buffer.
 
 Both read FSDP2's private names, which change between torch releases: they are applied only
 on the torch versions they were tested with (TESTED_TORCH, by major.minor), and only when

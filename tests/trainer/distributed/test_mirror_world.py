@@ -57,16 +57,16 @@ def test_collectives_are_those_of_identical_ranks() -> None:
 
 @pytest.mark.version_specific
 def test_one_process_takes_fsdps_four_rank_path(tmp_path, monkeypatch) -> None:
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    from trainer.distributed import gradient_packing
 
     packed_for: list[int] = []
-    copy_in = _fsdp_collectives.foreach_reduce_scatter_copy_in
+    pack = gradient_packing.pack_gradients
 
     def recording_copy_in(grads: list[torch.Tensor], buffer: torch.Tensor, world_size: int) -> None:
         packed_for.append(world_size)
-        copy_in(grads, buffer, world_size)
+        pack(grads, buffer, world_size)
 
-    monkeypatch.setattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", recording_copy_in)
+    monkeypatch.setattr(gradient_packing, "pack_gradients", recording_copy_in)
     cfg = build_config([*DEBUG_STEP, "--training.steps", "2", "--job.dump_folder", str(tmp_path),
                         "--parallelism.simulate_world_size", "4"])
     trainer = train_in_process(cfg)

@@ -1,4 +1,4 @@
-"""FSDP2 at one rank with the shared reduce buffer: the same gradients as FSDP's own reduction, one buffer."""
+"""FSDP2 at one rank with the shared reduce buffer (and the copies' packing): the same gradients as FSDP's own reduction, one buffer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.helpers import free_port
+from trainer.distributed.gradient_packing import use_gradient_packing
 from trainer.distributed.single_rank_reduce import (
     SingleRankReduceScatter,
     use_single_rank_reduction,
@@ -44,6 +45,7 @@ def _model(shared: bool) -> nn.Module:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    use_gradient_packing("copies" if shared else "chunk_cat")  # the trainer's pair: both, or FSDP's own
     if shared:
         use_single_rank_reduction(model)
         for module in model.modules():
@@ -101,27 +103,8 @@ def test_single_rank_reduce_matches_fsdp_and_allocates_one_buffer_per_reduction(
     # reduction each per step (the unsynced micro-batch accumulates unreduced). Each
     # reduction asks for an input and an output buffer, and only the input is a new one.
     assert result["calls"] == 2 * 9 and result["fresh"] == 9, result
-    # FSDP packs each reduction's gradients with chunk_cat; the single-rank copy-in never does.
+    # FSDP packs each reduction's gradients with chunk_cat; the copies never do.
     assert result["chunk_cats"] == [9, 0]
-
-
-def test_copy_in_is_fsdps_except_into_a_single_rank_buffer(monkeypatch):
-    """The process-wide copy-in replacement changes only the reductions of SingleRankReduceScatter's
-    buffers: larger groups and plain FSDP2 modules at one rank (the fast path off) keep FSDP's."""
-    from trainer.distributed import single_rank_reduce
-
-    fsdp_calls = []
-    monkeypatch.setattr(single_rank_reduce, "_FSDP_COPY_IN", lambda g, out, w: fsdp_calls.append((out, w)))
-    grads = [torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(6, dtype=torch.bfloat16)]
-    foreign = torch.empty(18)
-    single_rank_reduce._copy_in(grads, foreign, 2)
-    single_rank_reduce._copy_in(grads, foreign, 1)
-    assert [(out is foreign, w) for out, w in fsdp_calls] == [(True, 2), (True, 1)]
-    own = SingleRankReduceScatter().allocate((18,), dtype=torch.float32, device=torch.device("cpu"))
-    single_rank_reduce._copy_in(grads, own, 1)
-    assert len(fsdp_calls) == 2
-    assert torch.equal(own, torch.cat([g.float().flatten() for g in grads]))
-    assert torch.equal(own, torch._chunk_cat(grads, 0, 1).float().flatten())
 
 
 def test_refuses_a_group_of_more_than_one():
