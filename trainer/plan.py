@@ -58,6 +58,8 @@ class RunPlan:
     vocab_sharded_logits: bool
     fast_path: FastPath
     gradient_packing: GradientPacking
+    # Set when the packing is not the one the config asked for (an untested torch).
+    gradient_packing_text: str | None
     float8: Float8Seam
     precision: PrecisionLabels
     memory: MemoryEstimate
@@ -79,7 +81,7 @@ class RunPlan:
         # Float8 off gives a no-op seam: nothing that uses the plan asks whether float8 is on.
         float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, params.dtype))
         precision = PrecisionLabels.of(float8, params, cfg.training.mixed_precision_reduce)
-        packing, packing_note = choose_gradient_packing(cfg.parallelism.gradient_packing)
+        packing, packing_text = choose_gradient_packing(cfg.parallelism.gradient_packing)
         total, _ = n_params(args)
         without_embedding = total - args.vocab_size * args.dim
         facts = RunFacts.for_run(
@@ -90,12 +92,16 @@ class RunPlan:
             device_type=device_type, params=params, tokenizer=tokenizer, model_args=args, facts=facts,
             params_without_embedding=without_embedding, vocab_sharded_logits=vocab_sharded_logits,
             fast_path=choose_fast_path(cfg.parallelism.single_rank_fast_path, layout.dp), float8=float8,
-            gradient_packing=packing, precision=precision,
+            gradient_packing=packing, gradient_packing_text=packing_text, precision=precision,
             # Replicas hold the whole of their shard group's state: the weights are split over the shards only.
             memory=estimate_for(cfg, args, device_type, layout.shard, layout.tp, params.dtype, vocab_sharded_logits,
                                 float8_memory(cfg.float8)),
-            notes=(*([params.warning] if params.warning else []), *([packing_note] if packing_note else []), *notes(cfg)),
+            notes=(*([params.warning] if params.warning else []), *notes(cfg)),
         )
+
+    def fsdp_text(self) -> str | None:
+        """What the startup summary and the dry run add to the layout about FSDP2's own machinery."""
+        return "; ".join(t for t in (self.fast_path.text, self.gradient_packing_text) if t) or None
 
     def warnings(self, device: torch.device) -> list[str]:
         """The plan's notes and the float8 seam's advice for `device`, once the seam has converted the

@@ -137,7 +137,7 @@ class Trainer:
         peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
         lines = startup_summary(
             plan.facts, self.cfg, args.n_layers, args.attention, f"{self.device_name} ({peak})",
-            plan.precision.summary, plan.memory.summary(), plan.fast_path.text,
+            plan.precision.summary, plan.memory.summary(), plan.fsdp_text(),
         )
         lines += data_summary(self.cfg, self.dataloader, self.validator.loader if self.validator else None)
         for line in lines + plan.float8.summary_lines():

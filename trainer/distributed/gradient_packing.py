@@ -61,11 +61,10 @@ def pack_gradients(unsharded_grads: list[torch.Tensor], reduce_scatter_input: to
 
 
 def choose_gradient_packing(choice: GradientPacking, torch_version: str = torch.__version__) -> tuple[GradientPacking, str | None]:
-    """The packing a run uses for `choice`, and a note when it is not the one asked for."""
+    """The packing a run uses for `choice`, and what the startup summary says when it is not the one asked for."""
     if choice == "copies" and torch_minor(torch_version) not in TESTED_TORCH:
         tested = " and ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
-        return "chunk_cat", (f"parallelism.gradient_packing = 'copies' needs a torch it was tested with ({tested}); "
-                             f"torch {torch_version} packs gradients with FSDP2's chunk_cat")
+        return "chunk_cat", f"gradients packed by FSDP2's chunk_cat (the copies were tested on torch {tested}, not {torch_version})"
     return choice, None
 
 

@@ -68,8 +68,20 @@ def test_fsdp_packs_with_the_copies_and_trains_bitwise_as_with_chunk_cat(tmp_pat
      ("chunk_cat", "2.14.0a0+git1234", "chunk_cat", False)],
 )
 def test_the_torch_version_gate(choice, version, used, noted):
-    packing, note = choose_gradient_packing(choice, version)
-    assert packing == used and (note is not None) == noted
+    packing, text = choose_gradient_packing(choice, version)
+    assert packing == used and (text is not None) == noted
     if noted:
-        assert note == (f"parallelism.gradient_packing = 'copies' needs a torch it was tested with (2.11 and 2.13); "
-                        f"torch {version} packs gradients with FSDP2's chunk_cat")
+        assert text == f"gradients packed by FSDP2's chunk_cat (the copies were tested on torch 2.11 and 2.13, not {version})"
+
+
+def test_the_startup_summary_says_when_the_copies_are_not_applied():
+    import dataclasses
+
+    from trainer.plan import RunPlan
+
+    plan = RunPlan.resolve(build_config(["--training.device", "cpu"]), 1, load_tokenizer=False)
+    assert plan.gradient_packing_text is None or plan.gradient_packing == "chunk_cat"
+    packing, text = choose_gradient_packing("copies", "2.12.0")
+    untested = dataclasses.replace(plan, gradient_packing=packing, gradient_packing_text=text)
+    assert untested.fsdp_text() == "; ".join(t for t in (plan.fast_path.text, text) if t)
+    assert text in untested.fsdp_text()
