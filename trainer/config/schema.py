@@ -157,7 +157,7 @@ class ParallelismConfig:
     single_rank_fast_path: bool = _opt(True, "At a data-parallel degree of 1: FSDP2's unshard and gradient reduction without the "
                                        "copies and host work one rank does not need (bitwise the same results; applied on the torch versions "
                                        "it was tested with, else plain FSDP2). false = plain FSDP2. docs/parallelism.md, 'One rank'.")
-    gradient_packing: GradientPacking = _opt("copies", "FSDP2: how each reduce-scatter's gradients are packed into its buffer: copies = one copy per gradient into a strided view "
+    gradient_packing: GradientPacking = _opt("copies", "FSDP2: how each reduce-scatter's gradients are packed into its buffer: copies = one foreach copy of every gradient's chunks "
                                              "(torch versions it was tested with); chunk_cat = FSDP2's own. The same bytes. docs/parallelism.md, 'Gradient packing'.")
     simulate_world_size: int = _opt(0, "Benchmarks: run this one process as rank 0 of N ranks whose collectives move no data (each rank "
                                     "mirrors this one): a step does one GPU's share of an N-GPU run, links aside. Not under torchrun; "

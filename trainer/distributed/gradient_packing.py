@@ -1,13 +1,13 @@
-"""FSDP2's gradient packing before each reduce-scatter, as copies into strided views (`parallelism.gradient_packing`).
+"""FSDP2's gradient packing before each reduce-scatter, as one foreach copy of its chunks (`parallelism.gradient_packing`).
 
 Before a reduce-scatter over N ranks FSDP2 packs a group's gradients, cast to the reduce dtype, into one
 buffer of N rows: row r holds every gradient's r-th dim-0 chunk (ceil(dim0 / N) rows of it, the last
 chunks zero-padded). It does that with `torch._chunk_cat`, whose CUDA version builds per-chunk metadata
 on the host at every call and runs below memory bandwidth: 11.5 ms of a 16-layer LLaMA-2-7B float8 step
 as rank 0 of 8 (1.7 TB/s; docs/benchmarks.md), and at one rank 11.4 ms of device time and 22.6 ms of
-host time. `pack_gradients` writes the same bytes with one copy per gradient into a strided view of the
-buffer (all N chunks of a gradient at once; at one rank the views are contiguous and `_foreach_copy_`
-does them in one launch) and one `_foreach_zero_` for the padding. tests/trainer/distributed/
+host time. `pack_gradients` writes the same bytes with one `_foreach_copy_` of every gradient's chunks
+into their places in the buffer's rows (contiguous 1-D pairs, which the foreach kernel takes in a few fused launches) and one
+`_foreach_zero_` for the padding, without host-side metadata. tests/trainer/distributed/
 test_gradient_packing.py checks it byte for byte against chunk_cat over shapes, dtypes and rank counts.
 
 FSDP2 calls its module-level `foreach_reduce_scatter_copy_in` by name, and has no per-module hook for
@@ -29,7 +29,12 @@ _FSDP_PACKING = getattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", Non
 
 
 def pack_gradients(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
-    """`torch._chunk_cat(unsharded_grads, 0, world_size, out=reduce_scatter_input.view(world_size, -1))`'s bytes."""
+    """`torch._chunk_cat(unsharded_grads, 0, world_size, out=reduce_scatter_input.view(world_size, -1))`'s bytes.
+
+    Each gradient's chunks go in as contiguous 1-D pairs (the chunk, its place in a row), so that one
+    `_foreach_copy_` takes them all in its fused kernel: a copy into a strided 2-D view would fall back
+    to one kernel per gradient, indexing every element through its strides.
+    """
     rows = reduce_scatter_input.view(world_size, -1)
     targets: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
@@ -37,24 +42,20 @@ def pack_gradients(unsharded_grads: list[torch.Tensor], reduce_scatter_input: to
     offset = 0
     for grad in unsharded_grads:
         dim0 = grad.size(0) if grad.dim() else 1
-        chunk_rows = -(-dim0 // world_size)
-        width = chunk_rows * (grad.numel() // dim0) if dim0 else 0  # elements of one rank's chunk
+        width = -(-dim0 // world_size) * (grad.numel() // dim0) if dim0 else 0  # elements of one rank's chunk
         if not width:
             continue
         block, flat = rows[:, offset:offset + width], grad.reshape(-1)
         offset += width
         whole = grad.numel() // width  # chunks filled by the gradient; the next one partly, the rest not at all
-        if whole:
-            targets.append(block[:whole])
-            sources.append(flat[:whole * width].view(whole, width))
+        targets += block[:whole].unbind(0)
+        sources += flat[:whole * width].view(whole, width).unbind(0)
         part = grad.numel() - whole * width
         if part:
             targets.append(block[whole, :part])
             sources.append(flat[whole * width:])
             padding.append(block[whole, part:])
-        empty_from = whole + (part > 0)
-        if empty_from < world_size:
-            padding.append(block[empty_from:])
+        padding += block[whole + (part > 0):].unbind(0)
     torch._foreach_copy_(targets, sources)
     if padding:
         torch._foreach_zero_(padding)
