@@ -29,8 +29,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# (major, minor) of the torch releases both patches were tested with (the CI's two torches).
-TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 11), (2, 13))
+# (major, minor) of the torch releases the patches of FSDP2's internals were tested with (the CI's three
+# torches: the lowest supported, the CPU build, and what `pip install -e .` brings today).
+TESTED_TORCH: tuple[tuple[int, int], ...] = ((2, 11), (2, 13), (2, 14))
+_NAMES = [f"{major}.{minor}" for major, minor in TESTED_TORCH]
+# As the startup summary and the dry run name them: "2.11, 2.13 and 2.14".
+TESTED_TORCH_TEXT = f"{', '.join(_NAMES[:-1])} and {_NAMES[-1]}"
 
 
 def torch_minor(version: str) -> tuple[int, int]:
@@ -54,10 +58,9 @@ def choose_fast_path(enabled: bool, dp: int, torch_version: str = torch.__versio
     if not enabled:
         return FastPath(on=False, text="single-rank fast path off (parallelism.single_rank_fast_path = false)")
     if torch_minor(torch_version) not in TESTED_TORCH:
-        tested = " and ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
         return FastPath(
             on=False,
-            text=f"single-rank fast path off: torch {torch_version} is not one it was tested with ({tested}); plain FSDP2",
+            text=f"single-rank fast path off: torch {torch_version} is not one it was tested with ({TESTED_TORCH_TEXT}); plain FSDP2",
         )
     return FastPath(on=True, text="single-rank fast path on")
 

@@ -65,13 +65,14 @@ def test_fsdp_packs_with_the_copies_and_trains_bitwise_as_with_chunk_cat(tmp_pat
     ("choice", "version", "used", "noted"),
     [("copies", "2.13.0+cpu", "copies", False), ("copies", "2.11.0+cu130", "copies", False),
      ("copies", "2.12.1", "chunk_cat", True), ("chunk_cat", "2.13.0", "chunk_cat", False),
-     ("chunk_cat", "2.14.0a0+git1234", "chunk_cat", False)],
+     ("copies", "2.14.1+cu130", "copies", False), ("copies", "2.15.0a0+git1234", "chunk_cat", True),
+     ("chunk_cat", "2.14.0", "chunk_cat", False)],
 )
 def test_the_torch_version_gate(choice, version, used, noted):
     packing, text = choose_gradient_packing(choice, version)
     assert packing == used and (text is not None) == noted
     if noted:
-        assert text == f"gradients packed by FSDP2's chunk_cat (the copies were tested on torch 2.11 and 2.13, not {version})"
+        assert text == f"gradients packed by FSDP2's chunk_cat (the copies were tested on torch 2.11, 2.13 and 2.14, not {version})"
 
 
 def test_the_startup_summary_says_when_the_copies_are_not_applied():

@@ -50,9 +50,10 @@ def test_training_is_bitwise_the_same_with_the_fast_path_on_and_off(tmp_path):
         (True, 1, "2.11.1+cu128", True, "single-rank fast path on"),
         (False, 1, "2.13.0", False, "single-rank fast path off (parallelism.single_rank_fast_path = false)"),
         (True, 1, "2.12.0", False,
-         "single-rank fast path off: torch 2.12.0 is not one it was tested with (2.11 and 2.13); plain FSDP2"),
-        (True, 1, "2.14.0a0+git1234", False,
-         "single-rank fast path off: torch 2.14.0a0+git1234 is not one it was tested with (2.11 and 2.13); plain FSDP2"),
+         "single-rank fast path off: torch 2.12.0 is not one it was tested with (2.11, 2.13 and 2.14); plain FSDP2"),
+        (True, 1, "2.15.0a0+git1234", False,
+         "single-rank fast path off: torch 2.15.0a0+git1234 is not one it was tested with (2.11, 2.13 and 2.14); plain FSDP2"),
+        (True, 1, "2.14.1+cu130", True, "single-rank fast path on"),
         (True, 8, "2.13.0", False, None),
     ],
 )
