@@ -8,11 +8,13 @@ scale (FSDP's float8 all-gather), and a float8 transpose; ms and effective bandw
 cast must move at least: one read of the input, each output written once) per backend. AdamW:
 torch's fused kernel against the trainer's Triton kernel at each program size and warp count
 (scripts/harness/float8_bench/adamw.py). Host: microseconds of CPU time a rowwise, 1x128-tile or
-tensorwise cast call costs, through its op and straight (scripts/harness/float8_bench/host.py).
+tensorwise cast call costs, through its op and straight (scripts/harness/float8_bench/host.py). Packing:
+FSDP2's gradient packing before a reduce-scatter, chunk_cat against the trainer's foreach copies, at 1
+and 8 ranks (scripts/harness/float8_bench/packing.py).
 Prints the tables last; writes JSON (an earlier file there moves to previous-N/ beside it first).
 
     python scripts/bench_float8_casts.py --out bench_float8_casts.json
-    python scripts/bench_float8_casts.py --only adamw,host
+    python scripts/bench_float8_casts.py --only adamw,host,packing
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from float8.operands import Operand, cast_weight_with_scale, operands_both, tran
 from float8.recipe import RECIPES
 from float8.scaling import E4M3, cast_with_scale
 from scripts.harness.arguments import comma_names
-from scripts.harness.float8_bench import adamw, host
+from scripts.harness.float8_bench import adamw, host, packing
 from scripts.harness.float8_bench.timing import Timer
 from trainer.run_folder import keep_earlier_results
 
 BACKENDS = ("triton", "compiled", "plain")
-SECTIONS = ("casts", "adamw", "host")
+SECTIONS = ("casts", "adamw", "host", "packing")
 TOKENS = 8192
 ACTIVATIONS = [(TOKENS, 4096), (TOKENS, 11008)]
 WEIGHTS = [(4096, 4096), (11008, 4096)]
@@ -100,10 +102,17 @@ def main(argv: list[str] | None = None) -> None:
                    for name, fn in kernels]
         del kernels, weights
     host_calls = [{"call": name, "us": host.host_us(fn)} for name, fn in host.calls(torch.device("cuda"))] if "host" in only else []
+    packings, n_packed = [], 0
+    if "packing" in only:
+        packing_cells, n_packed = packing.kernels(torch.device("cuda"))
+        packings = [{"packing": name, "ranks": ranks, "ms": (ms := time_ms(fn)), "host_us": packing.host_us(fn),
+                     "tb_per_s": packing.BYTES_PER_PARAM * n_packed / ms / 1e9} for name, ranks, fn, _ in packing_cells]
+        del packing_cells
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "results": rows,
               "adamw": {"params": n_params, "results": updates},
-              "host": {"shape": list(host.SHAPE), "results": host_calls}}
+              "host": {"shape": list(host.SHAPE), "results": host_calls},
+              "packing": {"params": n_packed, "results": packings}}
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {opts.out} ({result['device']}, torch {torch.__version__})")
     if rows:
@@ -120,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nHost time a cast call, {host.SHAPE[0]} x {host.SHAPE[1]} bf16")
     for r in host_calls:
         print(f"{r['call']:48} {r['us']:7.1f} us")
+    if packings:
+        print(f"\nGradient packing of one 7B block ({n_packed / 1e6:,.0f} M bf16 gradients into fp32)")
+    for r in packings:
+        print(f"{r['packing']:9} at {r['ranks']} ranks  device {r['ms']:6.3f} ms {r['tb_per_s']:5.2f} TB/s  host {r['host_us']:7.1f} us")
 
 
 if __name__ == "__main__":
