@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     packings, n_packed = [], 0
     if "packing" in only:
         packing_cells, n_packed = packing.kernels(torch.device("cuda"))
-        packings = [{"packing": name, "ranks": ranks, "ms": (ms := time_ms(fn)), "host_us": packing.host_us(fn),
+        packings = [{"packing": name, "ranks": ranks, "ms": (ms := time_ms(fn)), "host_us": host.host_us(fn, packing.HOST_CALLS, warmup=3),
                      "tb_per_s": packing.BYTES_PER_PARAM * n_packed / ms / 1e9} for name, ranks, fn, _ in packing_cells]
         del packing_cells
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,

@@ -32,9 +32,9 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], list[torch.Tenso
     ]
 
 
-def host_us(fn: Callable[[], object], calls: int = CALLS) -> float:
-    """Microseconds of host time a call, over `calls` back-to-back calls after 50 warm-up calls."""
-    for _ in range(50):
+def host_us(fn: Callable[[], object], calls: int = CALLS, warmup: int = 50) -> float:
+    """Microseconds of host time a call, over `calls` back-to-back calls after `warmup` warm-up calls."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()

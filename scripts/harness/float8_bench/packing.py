@@ -2,13 +2,12 @@
 `torch._chunk_cat` against trainer/distributed/gradient_packing.py's foreach copies, one LLaMA-2-7B
 block's bf16 gradients into the fp32 reduce-scatter buffer, at 1 and 8 ranks (the one-GPU run and each
 GPU of an 8-GPU one). Bandwidth counts 6 bytes a parameter (a bf16 read, an fp32 write); host time is
-the launching CPU's, over a few calls that do not fill the GPU's queue.
+the launching CPU's, over `HOST_CALLS` calls, few enough not to fill the GPU's queue.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -16,6 +15,7 @@ import torch
 SHAPES = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)] + [(4096,)] * 2
 RANKS = (1, 8)
 BYTES_PER_PARAM = 6
+HOST_CALLS = 20
 
 
 def kernels(device: torch.device) -> tuple[list[tuple[str, int, Callable[[], object], torch.Tensor]], int]:
@@ -31,15 +31,3 @@ def kernels(device: torch.device) -> tuple[list[tuple[str, int, Callable[[], obj
         cells.append(("copies", ranks, lambda b=copies, r=ranks: pack_gradients(grads, b, r), copies))
     return cells, sum(g.numel() for g in grads)
 
-
-def host_us(fn: Callable[[], object], calls: int = 20) -> float:
-    """Microseconds of host time a call, over `calls` back-to-back calls after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
