@@ -63,8 +63,8 @@ def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str], comm: Sequence[s
     layout = f"world {facts.world_size} = {data_parallel} x tp {tp}"
     if cfg.parallelism.data_parallel_shard_degree == -1 and not launched_by_torchrun() and not _given_world_size(cfg):
         layout += " (dp = -1 takes the rest of the world at launch)"
-    if plan.fsdp_text():
-        layout += f"; {plan.fsdp_text()}"
+    if fsdp := plan.fsdp_text():
+        layout += f"; {fsdp}"
     ac = cfg.activation_checkpoint
     lines = [
         f"dry run: llama2 {cfg.model.flavor}",

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
 from trainer.config.schema import GradientPacking
-from trainer.distributed.single_rank_fast_path import TESTED_TORCH, TESTED_TORCH_TEXT, torch_minor
+from trainer.distributed.single_rank_fast_path import TESTED_TORCH_TEXT, tested_torch
 
 # FSDP2's own packing, as imported: what "chunk_cat" puts back.
 _FSDP_PACKING = getattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", None)
@@ -63,7 +63,7 @@ def pack_gradients(unsharded_grads: list[torch.Tensor], reduce_scatter_input: to
 
 def choose_gradient_packing(choice: GradientPacking, torch_version: str = torch.__version__) -> tuple[GradientPacking, str | None]:
     """The packing a run uses for `choice`, and what the startup summary says when it is not the one asked for."""
-    if choice == "copies" and torch_minor(torch_version) not in TESTED_TORCH:
+    if choice == "copies" and not tested_torch(torch_version):
         return "chunk_cat", f"gradients packed by FSDP2's chunk_cat (the copies were tested on torch {TESTED_TORCH_TEXT}, not {torch_version})"
     return choice, None
 

@@ -43,6 +43,11 @@ def torch_minor(version: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
+def tested_torch(version: str) -> bool:
+    """Whether the patches of FSDP2's internals were tested with this torch version (by major.minor)."""
+    return torch_minor(version) in TESTED_TORCH
+
+
 @dataclass(frozen=True)
 class FastPath:
     """Whether the run takes the one-GPU fast path, and the text the summary and dry run print."""
@@ -57,7 +62,7 @@ def choose_fast_path(enabled: bool, dp: int, torch_version: str = torch.__versio
         return FastPath(on=False, text=None)
     if not enabled:
         return FastPath(on=False, text="single-rank fast path off (parallelism.single_rank_fast_path = false)")
-    if torch_minor(torch_version) not in TESTED_TORCH:
+    if not tested_torch(torch_version):
         return FastPath(
             on=False,
             text=f"single-rank fast path off: torch {torch_version} is not one it was tested with ({TESTED_TORCH_TEXT}); plain FSDP2",
