@@ -75,7 +75,7 @@ def plan_lines(cfg: Config, plan: RunPlan, warnings: list[str], comm: Sequence[s
         f"  tokens per step   {facts.tokens_per_step_text()}",
         f"  layout            {layout}",
         f"  precision         {plan.precision.plan}",
-        f"  compile           {cfg.compile.mode}",
+        f"  compile           {plan.compile_text}",
         f"  packed attention  {args.attention}",
         f"  activation ckpt   {ac.mode}" + (f" ({ac.selective_option})" if ac.mode == "selective" else ""),
     ]

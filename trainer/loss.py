@@ -5,7 +5,14 @@ With tensor parallelism and `parallelism.loss_parallel` the output projection le
 logits as a DTensor sharded on the vocab dim (trainer/distributed/parallelize.py). Under
 `torch.distributed.tensor.parallel.loss_parallel` the cross-entropy then reduces the
 softmax statistics across the TP ranks instead of gathering (batch x seq x vocab) logits
-on every rank; its backward must run under the same context, hence `loss_context`.
+on every rank; its backward must run under the same context, hence `Loss.context`.
+
+Eager, the cross-entropy upcasts the (tokens x vocab) logits to fp32 and keeps an fp32 log-softmax
+for its backward: 8 bytes per logit beside the bf16 logits, and five passes over them. Compiled
+(`compile.loss`, on with any `compile.mode` but "none"), the upcast, softmax and gather fuse into
+one pass forward and one backward that write the bf16 gradient straight: the same loss to fp32
+rounding, nothing of the vocabulary's size kept beyond the logits themselves. Vocab-sharded
+logits (DTensors) stay eager.
 """
 
 from __future__ import annotations
@@ -21,15 +28,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from trainer.data.windows import IGNORE_INDEX
 
 
-def loss_context(vocab_sharded: bool) -> contextlib.AbstractContextManager:
-    """The context the loss and its backward run in: loss_parallel for vocab-sharded logits."""
-    return loss_parallel() if vocab_sharded else contextlib.nullcontext()
-
-
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of the token losses of (B, S, vocab) logits against (B, S) labels, skipping IGNORE_INDEX.
 
-    Computed in fp32. Vocab-sharded DTensor logits must come under `loss_context(True)`;
+    Computed in fp32. Vocab-sharded DTensor logits must come under `Loss.context()`;
     the result is a plain scalar tensor either way.
     """
     loss = F.cross_entropy(
@@ -38,10 +40,34 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-def model_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's logits for `batch` and their `cross_entropy_sum` against its labels: the loss a training
-    step backpropagates and validation reports (both under `loss_context`)."""
-    # Packed SFT batches carry their documents' positions and ids (the attention mask).
-    kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
-    logits = model(batch["input_ids"], **kwargs)
-    return logits, cross_entropy_sum(logits, batch["labels"])
+def choose_loss_compile(compile_mode: str, compile_loss: bool, vocab_sharded: bool) -> tuple[bool, str]:
+    """(whether the loss runs compiled, compile.mode as the startup summary and dry run print it)."""
+    if compile_mode == "none":
+        return False, compile_mode
+    if not compile_loss:
+        return False, f"{compile_mode}, loss eager (compile.loss = false)"
+    if vocab_sharded:
+        return False, f"{compile_mode}, loss eager (vocab-sharded logits)"
+    return True, f"{compile_mode}, loss too"
+
+
+class Loss:
+    """A run's loss: `cross_entropy_sum` of the model's logits, torch.compile'd with `compile_backend` when
+    one is given (trainer/plan.py decides: `RunPlan.loss_compiled`), under `context()`. Training and
+    validation call the same one."""
+
+    def __init__(self, vocab_sharded: bool, compile_backend: str | None) -> None:
+        self.vocab_sharded = vocab_sharded
+        self._sum = cross_entropy_sum if compile_backend is None else \
+            torch.compile(cross_entropy_sum, backend=compile_backend, fullgraph=True)
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """The context the loss and its backward run in: loss_parallel for vocab-sharded logits."""
+        return loss_parallel() if self.vocab_sharded else contextlib.nullcontext()
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's logits for `batch` and their summed loss against its labels."""
+        # Packed SFT batches carry their documents' positions and ids (the attention mask).
+        kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+        logits = model(batch["input_ids"], **kwargs)
+        return logits, self._sum(logits, batch["labels"])

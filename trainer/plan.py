@@ -16,6 +16,7 @@ from trainer.distributed.single_rank_fast_path import FastPath, choose_fast_path
 from trainer.errors import UserError
 from trainer.float8_seam.seam import Float8RunContext, Float8Seam, build_seam, float8_memory
 from trainer.launch import pick_device_type
+from trainer.loss import choose_loss_compile
 from trainer.metrics.logger import flops_per_token
 from trainer.model_setup import model_args_for
 from trainer.precision import ParamPrecision, resolve_param_precision
@@ -56,6 +57,9 @@ class RunPlan:
     params_without_embedding: int
     # TP keeps the logits sharded on the vocab (parallelism.loss_parallel).
     vocab_sharded_logits: bool
+    # The cross-entropy runs compiled (compile.loss with a compile mode; plain logits only): trainer/loss.py.
+    loss_compiled: bool
+    compile_text: str
     fast_path: FastPath
     gradient_packing: GradientPacking
     # Set when the packing is not the one the config asked for (an untested torch).
@@ -78,6 +82,7 @@ class RunPlan:
         args = model_args_for(cfg, tokenizer.n_words if tokenizer else None, device_type)
         layout = check_layout(cfg, world_size, args.n_heads, args.n_kv_heads)
         vocab_sharded_logits = layout.tp > 1 and cfg.parallelism.loss_parallel
+        loss_compiled, compile_text = choose_loss_compile(cfg.compile.mode, cfg.compile.loss, vocab_sharded_logits)
         # Float8 off gives a no-op seam: nothing that uses the plan asks whether float8 is on.
         float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, params.dtype))
         precision = PrecisionLabels.of(float8, params, cfg.training.mixed_precision_reduce)
@@ -90,12 +95,13 @@ class RunPlan:
         )
         return RunPlan(
             device_type=device_type, params=params, tokenizer=tokenizer, model_args=args, facts=facts,
-            params_without_embedding=without_embedding, vocab_sharded_logits=vocab_sharded_logits,
+            params_without_embedding=without_embedding, vocab_sharded_logits=vocab_sharded_logits, loss_compiled=loss_compiled,
+            compile_text=compile_text,
             fast_path=choose_fast_path(cfg.parallelism.single_rank_fast_path, layout.dp), float8=float8,
             gradient_packing=packing, gradient_packing_text=packing_text, precision=precision,
             # Replicas hold the whole of their shard group's state: the weights are split over the shards only.
             memory=estimate_for(cfg, args, device_type, layout.shard, layout.tp, params.dtype, vocab_sharded_logits,
-                                float8_memory(cfg.float8)),
+                                loss_compiled, float8_memory(cfg.float8)),
             notes=(*([params.warning] if params.warning else []), *notes(cfg)),
         )
 

@@ -70,10 +70,11 @@ class RunFacts:
 
 def startup_summary(
     facts: RunFacts, cfg: Config, n_layers: int, attention: str, device: str, precision: str, memory: str,
-    fsdp: str | None = None,
+    compile_text: str, fsdp: str | None = None,
 ) -> list[str]:
     """The lines the trainer prints before the first step; `device`, `precision` and `memory` are
-    the device with its peak, the float8 seam's precision text and the memory estimate; `fsdp` says
+    the device with its peak, the float8 seam's precision text and the memory estimate; `compile_text` the
+    compile mode with the loss's part (trainer/loss.py's choose_loss_compile); `fsdp` says
     whether FSDP2 takes the one-rank fast path and how it packs gradients, where there is something to say."""
     run = f"run {facts.run_name}: {cfg.job.description}" if cfg.job.description else f"run {facts.run_name}"
     return [
@@ -81,7 +82,7 @@ def startup_summary(
         f"model llama2 {cfg.model.flavor}: {facts.n_params:,} params, {n_layers} layers, "
         f"{facts.flops_per_token / 1e9:.2f} GFLOP/token",
         f"device {device} x {facts.world_size}; mesh {facts.mesh_text()}" + (f"; {fsdp}" if fsdp else ""),
-        f"precision {precision}; compile {cfg.compile.mode}; activation checkpoint {cfg.activation_checkpoint.mode}; "
+        f"precision {precision}; compile {compile_text}; activation checkpoint {cfg.activation_checkpoint.mode}; "
         f"packed attention {attention}",
         f"tokens per step {facts.tokens_per_step_text()}",
         f"memory estimate {memory}",

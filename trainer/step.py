@@ -22,7 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from trainer.errors import UserError
 from trainer.float8_seam.seam import Float8Seam
 from trainer.log import warn
-from trainer.loss import IGNORE_INDEX, loss_context, model_loss
+from trainer.loss import IGNORE_INDEX, Loss
 from trainer.metrics.logger import StepTimer, reset_peak_memory
 from trainer.metrics.profiling import StepProfiler
 
@@ -40,7 +40,7 @@ class StepParts:
     device: torch.device
     dp_group: Any
     dp: int
-    vocab_sharded_logits: bool
+    loss: Loss
     max_norm: float
 
 
@@ -82,7 +82,7 @@ def train_step(
     last = len(micro_batches) - 1
     for i, mb in enumerate(micro_batches):
         model.set_requires_gradient_sync(i == last)
-        with loss_context(parts.vocab_sharded_logits):
+        with parts.loss.context():
             summed = loss_sum(mb)
             (summed * loss_scale).backward()
         loss_total += summed.detach().double()
@@ -246,7 +246,7 @@ class StepRunner:
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One micro-batch's summed loss; a method so that tests/wrappers/train_nonfinite.py and train_crash.py can poison it."""
-        return model_loss(self.parts.model, batch)[1]
+        return self.parts.loss(self.parts.model, batch)[1]
 
     def run(self, step: int, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
         """Step `step` on `micro_batches`, the step after it read meanwhile (or, after a skipped last step, its retry's)."""

@@ -28,6 +28,7 @@ from trainer.distributed.parallelize import parallelize_llama
 from trainer.errors import UserError
 from trainer.launch import launch_world_size, launched_by_torchrun
 from trainer.log import info, warn
+from trainer.loss import Loss
 from trainer.metrics.logger import MetricsLogger, gpu_bf16_peak_flops, memory_stats
 from trainer.metrics.profiling import StepProfiler
 from trainer.metrics.wandb_sink import check_installed
@@ -49,6 +50,7 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.plan = plan = self._start()
+        self.loss = Loss(plan.vocab_sharded_logits, cfg.compile.backend if plan.loss_compiled else None)
         self._build_data()
         model = build_meta_model(plan.model_args)
         plan.float8.convert(model)
@@ -77,7 +79,7 @@ class Trainer:
         self.stop_request = StopRequest(self.host_exchange.all_gather, saving=cfg.checkpoint.enable)
         self.parts = StepParts(
             self.model, self.optimizer, self.lr_scheduler, plan.float8.post_optimizer_step, self.device,
-            self.mesh.data_parallel.get_group(), facts.dp, plan.vocab_sharded_logits, cfg.training.max_norm,
+            self.mesh.data_parallel.get_group(), facts.dp, self.loss, cfg.training.max_norm,
         )
 
     # -- setup helpers -------------------------------------------------------
@@ -120,7 +122,7 @@ class Trainer:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
             self.validator = Validator(
                 cfg.validation, loader("validation", 0), cfg.training.steps, device=self.device,
-                dp_group=self.mesh.data_parallel.get_group(), vocab_sharded_logits=plan.vocab_sharded_logits,
+                dp_group=self.mesh.data_parallel.get_group(), loss=self.loss,
                 accuracy=cfg.data.kind == "sft",
             )
 
@@ -137,7 +139,7 @@ class Trainer:
         peak = f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak" if self.peak_flops else "no known peak (MFU off)"
         lines = startup_summary(
             plan.facts, self.cfg, args.n_layers, args.attention, f"{self.device_name} ({peak})",
-            plan.precision.summary, plan.memory.summary(), plan.fsdp_text(),
+            plan.precision.summary, plan.memory.summary(), plan.compile_text, plan.fsdp_text(),
         )
         lines += data_summary(self.cfg, self.dataloader, self.validator.loader if self.validator else None)
         for line in lines + plan.float8.summary_lines():

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import ValidationConfig
 from trainer.log import info
-from trainer.loss import IGNORE_INDEX, loss_context, model_loss
+from trainer.loss import IGNORE_INDEX, Loss
 
 
 class Validator:
@@ -36,14 +36,14 @@ class Validator:
 
     def __init__(
         self, cfg: ValidationConfig, loader: Iterable[dict[str, torch.Tensor]], last_step: int, *,
-        device: torch.device, dp_group: dist.ProcessGroup, vocab_sharded_logits: bool, accuracy: bool,
+        device: torch.device, dp_group: dist.ProcessGroup, loss: Loss, accuracy: bool,
     ) -> None:
         self.cfg = cfg
         self.loader = loader
         self.last_step = last_step
         self.device = device
         self.dp_group = dp_group
-        self.vocab_sharded_logits = vocab_sharded_logits
+        self.loss = loss
         self.accuracy = accuracy
         dataset = getattr(loader, "dataset", None)
         self._dataset = dataset if hasattr(dataset, "load_state_dict") else None
@@ -92,8 +92,8 @@ class Validator:
     def _sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["labels"]
         targets = labels != IGNORE_INDEX
-        with loss_context(self.vocab_sharded_logits):
-            logits, loss_sum = model_loss(model, batch)
+        with self.loss.context():
+            logits, loss_sum = self.loss(model, batch)
         correct = torch.zeros((), device=self.device)
         if self.accuracy:
             # Vocab-sharded logits are gathered for the argmax: only at evaluation, without grads.

@@ -43,7 +43,7 @@ def test_facts_are_frozen_and_the_summary_uses_them():
     cfg, facts = _facts(["--job.description", "a test"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         facts.layout = Layout(1, 1, 1)
-    lines = startup_summary(facts, cfg, 4, "sdpa", "cpu (no known peak)", "params bfloat16", "1 GiB")
+    lines = startup_summary(facts, cfg, 4, "sdpa", "cpu (no known peak)", "params bfloat16", "1 GiB", "none")
     assert lines[0] == "run debug-bf16-none: a test"
     assert "1,000 params, 4 layers, 0.00 GFLOP/token" in lines[1]
     assert lines[2] == "device cpu (no known peak) x 8; mesh dp=4 tp=2"
@@ -58,7 +58,7 @@ def test_summary_and_dry_run_say_whether_the_single_rank_fast_path_is_on(switch,
     cfg, facts = _facts(["--parallelism.single_rank_fast_path", switch, "--training.device", "cpu"], Layout(1, 1, 1))
     fast_path = choose_fast_path(cfg.parallelism.single_rank_fast_path, facts.dp).text
     assert fast_path.startswith("single-rank fast path")  # its wording: tests/trainer/distributed/test_single_rank_fast_path.py
-    lines = startup_summary(facts, cfg, 4, "sdpa", "cpu (no known peak)", "params bfloat16", "1 GiB", fast_path)
+    lines = startup_summary(facts, cfg, 4, "sdpa", "cpu (no known peak)", "params bfloat16", "1 GiB", "none", fast_path)
     assert lines[2] == f"device cpu (no known peak) x 1; mesh dp=1 tp=1; {fast_path}"
     print_plan(cfg)
     layout = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  layout "))

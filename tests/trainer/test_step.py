@@ -18,6 +18,7 @@ from torch import nn
 from trainer.config import Float8TrainingConfig, ProfilingConfig
 from trainer.crash import unexpected
 from trainer.float8_seam.seam import Float8RunContext, build_seam
+from trainer.loss import Loss
 from trainer.metrics.logger import StepTimer
 from trainer.metrics.profiling import StepProfiler
 from trainer.step import BatchReader, StepParts, StepRunner, finish_step, train_step
@@ -56,7 +57,7 @@ def _parts(device: str, impl: str, max_norm: float) -> StepParts:
     kwargs = {"fused": True} if impl == "fused" else {"foreach": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **kwargs)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / 10)
-    return StepParts(model, optimizer, schedule, lambda m, amaxes: None, torch.device(device), None, 1, False, max_norm)
+    return StepParts(model, optimizer, schedule, lambda m, amaxes: None, torch.device(device), None, 1, Loss(False, None), max_norm)
 
 
 def _batch(poison: bool) -> list[dict[str, torch.Tensor]]:
@@ -169,7 +170,7 @@ def _runner(n_batches: int, last_step: int) -> tuple[StepRunner, BatchReader]:
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    parts = StepParts(model, optimizer, schedule, lambda m, amaxes: None, torch.device("cpu"), None, 1, False, 1.0)
+    parts = StepParts(model, optimizer, schedule, lambda m, amaxes: None, torch.device("cpu"), None, 1, Loss(False, None), 1.0)
     reader = BatchReader(ListLoader(n_batches), 1, "data/x")
     float8 = build_seam(Float8TrainingConfig(), Float8RunContext("cpu", "none", "float32", False, 10))
     profiler = StepProfiler(ProfilingConfig(), Path("unused"), 0, torch.device("cpu"))

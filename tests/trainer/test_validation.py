@@ -10,6 +10,7 @@ from torch import nn
 
 from tests.helpers import read_metrics, run_train
 from trainer.config import ValidationConfig
+from trainer.loss import Loss
 from trainer.validation import Validator
 
 
@@ -47,7 +48,7 @@ def test_loss_perplexity_and_accuracy_are_token_means_over_the_first_steps_batch
     batches = _batches(5)
     validator = Validator(
         ValidationConfig(enable=True, path="x", freq=3, steps=4), batches, last_step=10,
-        device=torch.device("cpu"), dp_group=one_process_group, vocab_sharded_logits=False, accuracy=True,
+        device=torch.device("cpu"), dp_group=one_process_group, loss=Loss(False, None), accuracy=True,
     )
     record = validator.evaluate(model, 3)
     logits = torch.cat([model(b["input_ids"]) for b in batches[:4]]).flatten(0, 1)
@@ -68,7 +69,7 @@ def test_loss_perplexity_and_accuracy_are_token_means_over_the_first_steps_batch
 def test_pretraining_validation_has_no_accuracy(one_process_group):
     validator = Validator(
         ValidationConfig(enable=True, path="x", steps=2), _batches(2), last_step=4,
-        device=torch.device("cpu"), dp_group=one_process_group, vocab_sharded_logits=False, accuracy=False,
+        device=torch.device("cpu"), dp_group=one_process_group, loss=Loss(False, None), accuracy=False,
     )
     assert set(validator.evaluate(TinyLM(), 2)) == {"validation/loss", "validation/perplexity", "validation/time_s"}
 
@@ -159,7 +160,7 @@ def test_every_evaluation_reads_the_same_batches_of_its_loader(one_process_group
     model = nn.Sequential(nn.Embedding(tok.n_words, 8), nn.Linear(8, tok.n_words))
     validator = Validator(
         ValidationConfig(enable=True, freq=1, steps=3), loader, last_step=4, device=torch.device("cpu"),
-        dp_group=one_process_group, vocab_sharded_logits=False, accuracy=False,
+        dp_group=one_process_group, loss=Loss(False, None), accuracy=False,
     )
     first = validator.evaluate(model, 1)["validation/loss"]
     assert validator.evaluate(model, 2)["validation/loss"] == first
@@ -176,7 +177,7 @@ def test_every_evaluation_reads_the_same_batches_and_0_steps_the_whole_set(one_p
         loader = build_dataloader(kind="pretrain", path="data/heldout", tokenizer=tokenizer, seq_len=512,
                                   batch_size=2, dp_rank=0, dp_degree=1, seed=0)
         return Validator(ValidationConfig(enable=True, path="data/heldout", steps=steps), loader, last_step=4,
-                         device=torch.device("cpu"), dp_group=one_process_group, vocab_sharded_logits=False,
+                         device=torch.device("cpu"), dp_group=one_process_group, loss=Loss(False, None),
                          accuracy=False)
 
     torch.manual_seed(0)

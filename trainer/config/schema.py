@@ -140,8 +140,8 @@ class CompileConfig:
 
     mode: CompileMode = _opt("none", "none = eager; block = each TransformerBlock (fullgraph); model = the whole model.")
     backend: str = _opt("inductor", "torch.compile backend. One that this torch does not have is refused before any work "
-                                    "(with the closest name); with mode = \"none\" a backend other than inductor is a "
-                                    "warning (it has no effect).")
+                                    "(with the closest name); with mode = \"none\" a backend other than inductor is a warning (it has no effect).")
+    loss: bool = _opt(True, "With mode block or model, compile the cross-entropy too (its fp32 upcast and softmax fuse: no fp32 copy of the logits); vocab-sharded logits (TP loss_parallel) stay eager.")
 
 
 @_section

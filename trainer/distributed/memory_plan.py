@@ -12,7 +12,8 @@ T = batch x seq / tp tokens per micro-batch (TP's sequence-parallel parts hold 1
     activations = L x T x dim x C[AC mode]                      (C below; AC full: block inputs
                                                                  only, plus one block's full set)
                 + T x vocab x (2 + 4 + 4)                       (bf16 logits, their fp32 upcast and
-                                                                 the fp32 log-softmax of the loss;
+                                                                 the fp32 log-softmax of the eager
+                                                                 loss; 2 alone with the loss compiled;
                                                                  B x S tokens of them under TP with
                                                                  parallelism.loss_parallel off)
                 + B x S x S bytes                               (data.pack with SDPA: the dense bool
@@ -75,8 +76,9 @@ ACTIVATION_BYTES = {
 }
 # AC full keeps each block's input (one bf16 tensor) and recomputes the rest one block at a time.
 FULL_AC_BLOCK_INPUT_BYTES = 2.0
-# model_loss (trainer/loss.py): bf16 logits, their fp32 upcast, and the fp32 log-softmax cross_entropy saves.
-LOGIT_BYTES = 2 + 4 + 4
+# Per logit (trainer/loss.py): the bf16 logits, and with the eager loss their fp32 upcast and the fp32
+# log-softmax cross_entropy saves; the compiled loss keeps nothing of the vocabulary's size.
+LOGIT_BYTES = {False: 2 + 4 + 4, True: 2}
 
 
 def n_params(args: LlamaArgs) -> tuple[int, int]:
@@ -119,7 +121,7 @@ class MemoryEstimate:
 def estimate(
     args: LlamaArgs, *, batch_size: int, seq_len: int, ac_mode: str, float8: bool, param_bytes: int = 2,
     dp: int = 1, tp: int = 1, packed: bool = False, device_type: str = "cuda", attention_kernel: str = "sdpa",
-    loss_parallel: bool = True, kept_float8_shards: bool = False,
+    loss_parallel: bool = True, kept_float8_shards: bool = False, loss_compiled: bool = False,
 ) -> MemoryEstimate:
     """The peak memory per GPU of one micro-batch (the formula in the module docstring)."""
     total_params, block_params = n_params(args)
@@ -137,7 +139,7 @@ def estimate(
         layers = args.n_layers * tokens * args.dim * ACTIVATION_BYTES[(ac_mode, float8)] * scale
     # Without loss parallel every TP rank holds the whole batch's full-vocab logits.
     logit_tokens = tokens if loss_parallel else batch_size * seq_len
-    logits = logit_tokens * args.vocab_size * LOGIT_BYTES
+    logits = logit_tokens * args.vocab_size * LOGIT_BYTES[loss_compiled]
     attention = 0.0
     if packed and attention_kernel == "flex":
         tiles = -(-seq_len // FLEX_BLOCK_SIZE)
@@ -151,17 +153,18 @@ def estimate(
 
 def estimate_for(
     cfg: Config, args: LlamaArgs, device_type: str, dp: int, tp: int, param_dtype: str, vocab_sharded_logits: bool,
-    float8: Float8Memory,
+    loss_compiled: bool, float8: Float8Memory,
 ) -> MemoryEstimate:
     """The estimate for this config; param_dtype is the resolved one ('bfloat16' or 'float32'),
-    vocab_sharded_logits whether TP keeps the logits sharded (loss parallel), float8 the seam's answer."""
+    vocab_sharded_logits whether TP keeps the logits sharded (loss parallel), loss_compiled whether the
+    cross-entropy runs compiled, float8 the seam's answer."""
     t = cfg.training
     param_bytes = 4 if param_dtype == "float32" else 2
     return estimate(
         args, batch_size=t.batch_size, seq_len=t.seq_len, ac_mode=cfg.activation_checkpoint.mode,
         float8=float8.linears, param_bytes=param_bytes, dp=dp, tp=tp,
         packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type, attention_kernel=args.attention,
-        loss_parallel=vocab_sharded_logits, kept_float8_shards=float8.kept_shards,
+        loss_parallel=vocab_sharded_logits, kept_float8_shards=float8.kept_shards, loss_compiled=loss_compiled,
     )
 
 

@@ -174,7 +174,7 @@ def test_packed_equals_unpacked(tok: Tokenizer, tmp_path: Path) -> None:
 
 
 def per_sample_loss(model: Transformer, batch: dict[str, torch.Tensor], masked: bool = True) -> list[float]:
-    """Summed loss of each sample in a batch, with the model fed as trainer.loss.model_loss feeds it."""
+    """Summed loss of each sample in a batch, with the model fed as trainer.loss.Loss feeds it."""
     keys = ("position_ids", "document_ids") if masked else ("position_ids",)
     with torch.no_grad():
         logits = model(batch["input_ids"], **{k: batch[k] for k in keys if k in batch})

@@ -23,6 +23,7 @@ from trainer.distributed.memory_plan import (
 )
 from trainer.errors import UserError
 from trainer.float8_seam.seam import float8_memory
+from trainer.loss import choose_loss_compile
 from trainer.model_setup import model_args_for
 from trainer.precision import resolve_param_precision
 
@@ -87,7 +88,7 @@ def test_refusal_is_one_line_with_the_numbers():
 
 def test_check_fits_raises_a_user_error(monkeypatch):
     cfg = build_config(["--config", "configs/debug.toml", "--training.seq_len", "100000", "--model.max_seq_len", "100000"])
-    est = estimate_for(cfg, model_args_for(cfg, None, "cpu"), "cpu", 1, 1, "float32", False, Float8Memory())
+    est = estimate_for(cfg, model_args_for(cfg, None, "cpu"), "cpu", 1, 1, "float32", False, False, Float8Memory())
     monkeypatch.setattr("trainer.distributed.memory_plan.capacity", lambda device: ("this host", 16 * GIB))
     with pytest.raises(UserError, match=r"needs about \d+\.\d GiB per GPU .* but this host has 16\.0 GiB"):
         check_fits(est, torch.device("cpu"))
@@ -109,8 +110,9 @@ def test_shipped_configs_fit_an_h200(path):
     args = model_args_for(cfg, None, "cpu")
     param_dtype = resolve_param_precision(cfg.training.mixed_precision_param, "cuda").dtype
     tp = cfg.parallelism.tensor_parallel_degree
-    est = estimate_for(cfg, args, "cuda", 1, tp, param_dtype, tp > 1 and cfg.parallelism.loss_parallel,
-                       float8_memory(cfg.float8))
+    vocab_sharded = tp > 1 and cfg.parallelism.loss_parallel
+    loss_compiled, _ = choose_loss_compile(cfg.compile.mode, cfg.compile.loss, vocab_sharded)
+    est = estimate_for(cfg, args, "cuda", 1, tp, param_dtype, vocab_sharded, loss_compiled, float8_memory(cfg.float8))
     assert fit_error(est, "H200", H200_BYTES) is None, est.summary()
 
 
@@ -119,7 +121,7 @@ def test_debug_configs_fit_this_cpu(path):
     cfg = build_config(["--config", path])
     args = model_args_for(cfg, None, "cpu")
     param_dtype = resolve_param_precision(cfg.training.mixed_precision_param, "cpu").dtype
-    est = estimate_for(cfg, args, "cpu", 1, 1, param_dtype, False, float8_memory(cfg.float8))
+    est = estimate_for(cfg, args, "cpu", 1, 1, param_dtype, False, False, float8_memory(cfg.float8))
     assert check_fits(est, torch.device("cpu"), refuse=False) is None and est.total < 1 * GIB
 
 
