@@ -8,11 +8,11 @@ softmax statistics across the TP ranks instead of gathering (batch x seq x vocab
 on every rank; its backward must run under the same context, hence `Loss.context`.
 
 Eager, the cross-entropy upcasts the (tokens x vocab) logits to fp32 and keeps an fp32 log-softmax
-for its backward: 8 bytes per logit beside the bf16 logits, and five passes over them. Compiled
-(`compile.loss`, on with any `compile.mode` but "none"), the upcast, softmax and gather fuse into
-one pass forward and one backward that write the bf16 gradient straight: the same loss to fp32
-rounding, nothing of the vocabulary's size kept beyond the logits themselves. Vocab-sharded
-logits (DTensors) stay eager.
+for its backward: 8 bytes per logit beside the bf16 logits. Compiled (`compile.loss`, on with any
+`compile.mode` but "none"), the upcast, softmax and gather fuse into one reduction forward and one
+backward that writes the bf16 gradient straight: the same loss to fp32 rounding, nothing of the
+vocabulary's size kept beyond the logits (for 8,192 x 32,000 logits on an H100: 0.8 ms of kernels
+against 4.4, and 1.96 GiB less at peak; docs/benchmarks.md). Vocab-sharded logits (DTensors) stay eager.
 """
 
 from __future__ import annotations
