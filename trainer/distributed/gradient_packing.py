@@ -18,6 +18,9 @@ tested with (`choose_gradient_packing`).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
@@ -26,6 +29,13 @@ from trainer.distributed.single_rank_fast_path import TESTED_TORCH_TEXT, tested_
 
 # FSDP2's own packing, as imported: what "chunk_cat" puts back.
 _FSDP_PACKING = getattr(_fsdp_collectives, "foreach_reduce_scatter_copy_in", None)
+
+
+def chunk_numel(shape: Sequence[int], world_size: int) -> int:
+    """Elements of one rank's chunk of a gradient of `shape` in the packed buffer: ceil(dim0 / world_size)
+    rows of it, padded; the buffer holds `world_size` times the sum over the group's gradients."""
+    dim0 = shape[0] if shape else 1
+    return -(-dim0 // world_size) * (math.prod(shape) // dim0) if dim0 else 0
 
 
 def pack_gradients(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
@@ -41,8 +51,7 @@ def pack_gradients(unsharded_grads: list[torch.Tensor], reduce_scatter_input: to
     padding: list[torch.Tensor] = []
     offset = 0
     for grad in unsharded_grads:
-        dim0 = grad.size(0) if grad.dim() else 1
-        width = -(-dim0 // world_size) * (grad.numel() // dim0) if dim0 else 0  # elements of one rank's chunk
+        width = chunk_numel(grad.shape, world_size)
         if not width:
             continue
         block, flat = rows[:, offset:offset + width], grad.reshape(-1)

@@ -7,7 +7,6 @@ the launching CPU's, over `HOST_CALLS` calls, few enough not to fill the GPU's q
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -20,12 +19,12 @@ HOST_CALLS = 20
 
 def kernels(device: torch.device) -> tuple[list[tuple[str, int, Callable[[], object], torch.Tensor]], int]:
     """(packing, ranks, one packing call, the buffer it writes) for each cell; and the gradients' parameter count."""
-    from trainer.distributed.gradient_packing import pack_gradients
+    from trainer.distributed.gradient_packing import chunk_numel, pack_gradients
 
     grads = [torch.randn(s, device=device, dtype=torch.bfloat16) for s in SHAPES]
     cells = []
     for ranks in RANKS:
-        numel = sum(-(-s[0] // ranks) * ranks * math.prod(s[1:]) for s in SHAPES)
+        numel = ranks * sum(chunk_numel(s, ranks) for s in SHAPES)
         chunk_cat, copies = torch.empty(numel, device=device), torch.empty(numel, device=device)
         cells.append(("chunk_cat", ranks, lambda b=chunk_cat, r=ranks: torch._chunk_cat(grads, 0, r, out=b.view(r, -1)), chunk_cat))
         cells.append(("copies", ranks, lambda b=copies, r=ranks: pack_gradients(grads, b, r), copies))

@@ -9,7 +9,11 @@ import torch
 from tests.helpers import read_metrics, train_in_process
 from trainer.config import build_config
 from trainer.distributed import gradient_packing
-from trainer.distributed.gradient_packing import choose_gradient_packing, pack_gradients
+from trainer.distributed.gradient_packing import (
+    choose_gradient_packing,
+    chunk_numel,
+    pack_gradients,
+)
 
 pytestmark = pytest.mark.version_specific
 
@@ -23,7 +27,7 @@ SHAPES = [(5, 3), (8, 2), (3,), (1, 4), (7, 2, 3), (64,), (33, 5), (2, 1)]
 def test_the_same_bytes_as_chunk_cat(world_size, grad_dtype, reduce_dtype):
     gen = torch.Generator().manual_seed(world_size)
     grads = [torch.randn(s, generator=gen).to(grad_dtype) for s in SHAPES]
-    numel = sum(-(-s[0] // world_size) * world_size * (g.numel() // s[0]) for s, g in zip(SHAPES, grads))
+    numel = world_size * sum(chunk_numel(s, world_size) for s in SHAPES)
     expected = torch.full((world_size, numel // world_size), float("nan"), dtype=reduce_dtype)
     torch._chunk_cat(grads, 0, world_size, out=expected)
     packed = torch.full((numel,), float("nan"), dtype=reduce_dtype)  # padding left unwritten would stay NaN
