@@ -75,6 +75,12 @@ class MirrorProcessGroup(dist.ProcessGroup):
         # Read by torch's state-dict broadcast (the CPU weight init); a C++ group lists its backends' devices.
         return [torch.device(d) for d in _DEVICES]
 
+    def _get_backend(self, device: torch.device) -> MirrorProcessGroup:
+        # Asked of every group for each of its devices: under torch 2.11 and 2.13, each inductor cache
+        # hit asks for the CUDA backend to lengthen NCCL timeouts, and the base class, which holds no
+        # backend here, raised ("No backend type associated with device type cuda").
+        return self
+
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions = dist.AllreduceOptions()) -> dist.Work:  # noqa: B008
         for t in tensors:
             _reduce_copies(t, opts.reduceOp, self._world_size)

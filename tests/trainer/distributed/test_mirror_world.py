@@ -78,6 +78,19 @@ def test_one_process_takes_fsdps_four_rank_path(tmp_path, monkeypatch) -> None:
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all() for r in metrics)
 
 
+@pytest.mark.version_specific
+def test_an_inductor_cache_hit_runs_in_a_mirror_world() -> None:
+    # What inductor calls on each FX-graph cache hit in a distributed process: a mirror-world run
+    # compiled after any other run with the same cache died in it before its first step.
+    from torch._inductor.codecache import add_ephemeral_timeout_increase_for_distributed
+
+    mirror_world.init_mirror_world(8)
+    try:
+        assert add_ephemeral_timeout_increase_for_distributed(2 * 10**9) == 2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_refused_with_checkpoints_and_under_torchrun(tmp_path, monkeypatch) -> None:
     with pytest.raises(UserError, match=r"simulate_world_size .* set checkpoint\.enable = false"):
         validate(build_config(["--parallelism.simulate_world_size", "4", "--checkpoint.enable", "true"]))
