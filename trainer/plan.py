@@ -95,8 +95,8 @@ class RunPlan:
         )
         return RunPlan(
             device_type=device_type, params=params, tokenizer=tokenizer, model_args=args, facts=facts,
-            params_without_embedding=without_embedding, vocab_sharded_logits=vocab_sharded_logits, loss_compiled=loss_compiled,
-            compile_text=compile_text,
+            params_without_embedding=without_embedding, vocab_sharded_logits=vocab_sharded_logits,
+            loss_compiled=loss_compiled, compile_text=compile_text,
             fast_path=choose_fast_path(cfg.parallelism.single_rank_fast_path, layout.dp), float8=float8,
             gradient_packing=packing, gradient_packing_text=packing_text, precision=precision,
             # Replicas hold the whole of their shard group's state: the weights are split over the shards only.
