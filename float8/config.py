@@ -26,6 +26,11 @@ class Float8Config:
         `recipe` is the resolved `Float8Recipe`.
     emulate: float8 rounding with high-precision GEMMs, for hardware without float8 GEMMs.
     fsdp_float8_all_gather: FSDP2 all-gathers weights as float8 (tensorwise, blockwise).
+    fsdp_unshard_as_stored: FSDP2 over one rank hands each float8 linear its weight as stored (fp32)
+        instead of a bf16 copy, which the casts round to bf16 as they read it (the same bytes); with
+        an unshard that keeps its input (the trainer's one-GPU fast path) nothing is copied. For
+        recipes that cast the weight per row in the step (rowwise, rowwise_gw_hp); FSDP2 over more
+        ranks refuses it at the first unshard (it would all-gather fp32).
     filter_fqns: skip modules whose fully qualified name contains any of these strings; the
         output layer by default (its logits feed the softmax directly: float8 costs accuracy
         there and saves little).
@@ -46,6 +51,7 @@ class Float8Config:
     scaling: str | Float8Recipe = "tensorwise"
     emulate: bool = False
     fsdp_float8_all_gather: bool = False
+    fsdp_unshard_as_stored: bool = False
     filter_fqns: tuple[str, ...] = ("output",)
     min_features: int = 0
     eager_casts: str = "auto"
@@ -66,7 +72,7 @@ class Float8Config:
         else:
             raise ValueError(f"Float8Config.scaling must be a recipe name or a Float8Recipe, got {self.scaling!r}")
         object.__setattr__(self, "recipe", recipe)
-        for name in ("emulate", "fsdp_float8_all_gather"):
+        for name in ("emulate", "fsdp_float8_all_gather", "fsdp_unshard_as_stored"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Float8Config.{name} must be a bool, got {getattr(self, name)!r}")
         if (
@@ -88,4 +94,9 @@ class Float8Config:
             raise ValueError(
                 "Float8Config.fsdp_float8_all_gather needs a recipe that casts the weight to e4m3 alike in both GEMMs "
                 f"that read it, per tensor or in square blocks (scaling='tensorwise' or 'blockwise'), got scaling={recipe.name!r}"
+            )
+        if self.fsdp_unshard_as_stored and not recipe.weight_cast_per_row:
+            raise ValueError(
+                "Float8Config.fsdp_unshard_as_stored needs a recipe that casts the weight per row in both GEMMs that read it "
+                f"(scaling='rowwise' or 'rowwise_gw_hp'), got scaling={recipe.name!r}"
             )

@@ -22,6 +22,13 @@ A weight scaled per block (`Float8TrainingWeight(hp, cast=...)`) skips the amax 
 shard casts its own blocks, FSDP gathers the bytes, and the blocks' scales are all-gathered
 beside them (float8/fsdp_blocks.py says where such a weight is sharded and how).
 
+A weight of a recipe that casts it per row in the step (rowwise), at one FSDP rank
+(`Float8TrainingWeight(hp, as_stored=True)`, `Float8Config.fsdp_unshard_as_stored`): the unshard
+hands the shard itself, fp32, as a `StoredWeight` standing for its bf16 copy, and Float8Linear's
+casts round it to bf16 as they read it (the copy's bytes). With an unshard that keeps its input (the
+trainer's one-GPU fast path) no copy is made at all: 12 bytes a parameter a step that rowwise
+spent building bf16 weights from the fp32 shards.
+
 The two subclasses unwrap to plain tensors for every other op, so optimizers,
 initialisation, `to_empty` and state dicts see ordinary high-precision values.
 """
@@ -39,7 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from float8.fsdp_blocks import BlockSharding, block_shard_dim, gather_block_scales
-from float8.gathered import Float8GatheredWeight
+from float8.gathered import Float8GatheredWeight, StoredWeight
 from float8.operands import cast_weight_with_scale, eager_backend, operand
 from float8.recipe import Cast
 from float8.scaling import E4M3, amax_to_scale
@@ -81,10 +88,12 @@ class Float8TrainingWeight(torch.Tensor):
     # `fsdp_shard_dim`, where it is sharded; both carried to every shard and view.
     _cast: Cast | None
     _sharding: BlockSharding | None
+    # Unsharded as stored, no float8 all-gather (one rank only; the module docstring says why).
+    _as_stored: bool
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None, cast: Cast | None = None,
-                sharding: BlockSharding | None = None):
+                sharding: BlockSharding | None = None, as_stored: bool = False):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -97,17 +106,17 @@ class Float8TrainingWeight(torch.Tensor):
         )
 
     def __init__(self, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None, cast: Cast | None = None,
-                 sharding: BlockSharding | None = None):
+                 sharding: BlockSharding | None = None, as_stored: bool = False):
         self._tensor = tensor
         self._precomputed_scale = precomputed_scale
         self._float8_shard = None
-        self._cast, self._sharding = cast, sharding
+        self._cast, self._sharding, self._as_stored = cast, sharding, as_stored
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         if func is torch.ops.aten.detach.default:
             w = args[0]
-            return cls(w._tensor, w._precomputed_scale, w._cast, w._sharding)
+            return cls(w._tensor, w._precomputed_scale, w._cast, w._sharding, w._as_stored)
         # The block layout goes to every shard and view FSDP makes (looked up for those ops only:
         # the optimizer's ops on lists of weights pass through here too).
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls)) if func in _PRESERVE else None
@@ -115,10 +124,10 @@ class Float8TrainingWeight(torch.Tensor):
         out = func(*args, **kwargs)
         if first is None:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, None, first._cast, first._sharding), out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, None, first._cast, first._sharding, first._as_stored), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], (self._cast, self._sharding)
+        return ["_tensor"], (self._cast, self._sharding, self._as_stored)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
@@ -149,9 +158,9 @@ class Float8TrainingWeight(torch.Tensor):
 
     @property
     def fsdp_all_gather_input_is_kept(self) -> bool:
-        """Whether `fsdp_pre_all_gather` hands on the kept float8 shard: bytes that stay valid,
-        in the same storage, until the next optimizer step rewrites them in place."""
-        return self._float8_shard is not None
+        """Whether `fsdp_pre_all_gather` hands on the kept float8 shard, or the shard itself (`as_stored`):
+        bytes that stay valid, in the same storage, until the next optimizer step rewrites them in place."""
+        return self._float8_shard is not None or self._as_stored
 
     def fsdp_pre_all_gather(
         self,
@@ -163,6 +172,11 @@ class Float8TrainingWeight(torch.Tensor):
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         # Defaults make both FSDP call conventions work: (mesh) and
         # (mesh, outer_size, outer_stride, module, mp_policy).
+        if self._as_stored:
+            if mesh.size() > 1:
+                raise ValueError(f"float8: weights unsharded as stored (fsdp_unshard_as_stored) need FSDP over one rank, "
+                                 f"got {mesh.size()}: they would all-gather fp32")
+            return (self._tensor,), None
         scale, data = self._precomputed_scale, self._float8_shard
         if self._cast is not None and data is None:
             sharding = self.block_sharding(mesh.size(), outer_size if mesh.ndim == 1 else None)
@@ -192,6 +206,12 @@ class Float8TrainingWeight(torch.Tensor):
         out: torch.Tensor | None = None,
     ):
         (data,) = all_gather_outputs
+        if self._as_stored:
+            if out is None:
+                return StoredWeight(data, param_dtype), (data,)
+            inner = out._local_tensor if isinstance(out, DTensor) else out
+            inner._data = data
+            return None
         (scale,) = metadata
         if out is not None:
             # Later all-gathers refill the same storage in place; only the scale is new. A

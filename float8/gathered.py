@@ -1,4 +1,5 @@
-"""Float8GatheredWeight: a weight FSDP2 all-gathered in float8 (float8/fsdp.py), as Float8Linear reads it."""
+"""What FSDP2 unshards for a Float8Linear (float8/fsdp.py), as it reads it: a weight all-gathered in float8
+(Float8GatheredWeight), or one handed as stored (StoredWeight)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,44 @@ class Float8GatheredWeight(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"Float8GatheredWeight(dtype={self.dtype}, shape={tuple(self.shape)}, scale={self._scale})"
+
+
+class StoredWeight(torch.Tensor):
+    """A weight as its shard is stored (fp32), standing for the `dtype` (bf16) copy FSDP2 would unshard:
+    at one rank, for recipes that cast the weight in the step (rowwise), the unshard hands this instead
+    of copying (float8/fsdp.py, `as_stored`).
+
+    Float8Linear casts `_data` rounded to `dtype` as it reads it: the bytes of the copy's cast. Any
+    other op sees `_data.to(dtype)`, and gradients flow in `dtype`, as for the copy.
+    """
+
+    _data: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
+            device=data.device, requires_grad=False,
+        )
+
+    def __init__(self, data: torch.Tensor, dtype: torch.dtype):
+        self._data = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GATHERED_VIEWS:
+            w = args[0]
+            return cls(func(w._data, *args[1:], **kwargs), w.dtype)
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._data.to(t.dtype), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self):
+        return ["_data"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return StoredWeight(inner_tensors["_data"], ctx)
+
+    def __repr__(self) -> str:
+        return f"StoredWeight(dtype={self.dtype}, stored as {self._data.dtype}, shape={tuple(self.shape)})"

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from float8.blocks import expand_blocks
 from float8.config import Float8Config
 from float8.fsdp import Float8TrainingWeight, plain_weight
-from float8.gathered import Float8GatheredWeight
+from float8.gathered import Float8GatheredWeight, StoredWeight
 from float8.gemm import blockwise_mm, scaled_mm
 from float8.health import cast_stats, float8_bytes_stats, no_stats
 from float8.operands import (
@@ -91,15 +91,19 @@ class _Float8Matmul(torch.autograd.Function):
         # the layout that GEMM reads or (ctx.x_transposed_later) still to be transposed.
         x_op, x_gw, ctx.x_transposed_later = operands_both(x, recipe.output.lhs, recipe.grad_weight.rhs, backend)
         ctx.gathered = isinstance(w, Float8GatheredWeight)
+        # A weight unsharded as stored (fp32) is cast as its bf16 copy would be, rounded as it is read.
+        ctx.rounded_to = w.dtype if isinstance(w, StoredWeight) else None
+        if ctx.rounded_to is not None:
+            w = w._data
         # FSDP may have all-gathered the weight in float8 already, with its scale.
-        w_op = Operand(w._data, w._scale) if ctx.gathered else operand(w, recipe.output.rhs, backend)
+        w_op = Operand(w._data, w._scale) if ctx.gathered else operand(w, recipe.output.rhs, backend, ctx.rounded_to)
         out = _gemm(recipe.output, x_op, w_op, x.dtype, emulate)
         ctx.w_shared = shared(recipe.grad_input.rhs, recipe.output.rhs)
         # Armed for float8 health (float8/health.py): the forward casts' stats wait for backward,
         # which hands them out with the gradient cast's as the probe's gradient.
         ctx.probed = health_probe is not None
-        health = (torch.stack([_stats(x, x_op, recipe.output.lhs), _stats(w, w_op, recipe.output.rhs)]),) \
-            if ctx.probed else ()
+        health = (torch.stack([_stats(x, x_op, recipe.output.lhs), _stats(
+            w if ctx.rounded_to is None else w.to(ctx.rounded_to), w_op, recipe.output.rhs)]),) if ctx.probed else ()
         w_kept = (w_op.data, w_op.scale, w_op.inv) if ctx.gathered else \
             (w, w_op.scale, w_op.inv) if ctx.w_shared else (w, None, None)
         ctx.save_for_backward(*x_gw, *w_kept, *health)
@@ -120,7 +124,7 @@ class _Float8Matmul(torch.autograd.Function):
             # The forward's scale (or square blocks' scales), cast straight into the transposed layout.
             w_op = Operand(cast_t_with_scale(w, w_scale, recipe.grad_input.rhs, backend), *map(_t, (w_scale, w_inv)))
         else:
-            w_op = operand_t(w, recipe.grad_input.rhs, backend)
+            w_op = operand_t(w, recipe.grad_input.rhs, backend, ctx.rounded_to, after=g)
         grad_x = _gemm(recipe.grad_input, g_op, w_op, ctx.x_dtype, emulate)
 
         if g_transposed_later:
@@ -200,10 +204,11 @@ class Float8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
-        if config.fsdp_float8_all_gather:
+        if config.fsdp_float8_all_gather or config.fsdp_unshard_as_stored:
             new.weight = nn.Parameter(
                 # A block-scaled weight's shards cast their own blocks (float8/fsdp_blocks.py).
-                Float8TrainingWeight(linear.weight.data, cast=config.recipe.output.rhs if config.recipe.weight_blocks else None),
+                Float8TrainingWeight(linear.weight.data, cast=config.recipe.output.rhs if config.recipe.weight_blocks else None,
+                                     as_stored=config.fsdp_unshard_as_stored),
                 requires_grad=linear.weight.requires_grad
             )
             new._register_state_dict_hook(_plain_weight_in_state_dict)

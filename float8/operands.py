@@ -33,6 +33,7 @@ from float8.scaling import (
     cast_tensorwise,
     cast_tensorwise_t,
     cast_with_scale,
+    round_to_bf16,
 )
 
 # Float8Config.eager_casts: "auto" is triton on CUDA where Triton imports (and converts to float8:
@@ -103,9 +104,11 @@ def _uses_kernels(t: torch.Tensor, backend: str, spec: Cast | None = None, trans
             and t.numel() > 0 and (not blocks or kernel_block(spec.block)))
 
 
-def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bool) -> tuple[Operand | None, Operand | None]:
+def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bool, bf16_first: bool = False,
+                     after: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None]:
     """`t` cast by the kernels as `spec` says, row-major and/or transposed (None where not asked):
-    per tensor one scale serves both; per row, the transposed layout takes per-column scales."""
+    per tensor one scale serves both; per row, the transposed layout takes per-column scales.
+    `bf16_first` and `after` (per row only): as `cast_rowwise_layouts` takes them."""
     kernels = _kernels()
     if spec.block is not None:
         data, data_t, scale, inv, scale_t, inv_t = _block_kernels().cast_blockwise_layouts(
@@ -116,12 +119,30 @@ def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bo
         scale_t, inv_t = scale, inv
     else:
         data, data_t, scale, inv, scale_t, inv_t = kernels.cast_rowwise_layouts(
-            t, spec.dtype, spec.pow2, rowmajor=rowmajor, transposed=transposed)
+            t, spec.dtype, spec.pow2, rowmajor=rowmajor, transposed=transposed, bf16_first=bf16_first, after=after)
     return (Operand(data, scale, inv) if rowmajor else None), (Operand(data_t, scale_t, inv_t) if transposed else None)
 
 
-def operand(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
-    """A 2-D `t` whose last dim the GEMM sums over, cast for it."""
+def _rounds_in_kernel(t: torch.Tensor, spec: Cast, backend: str, rounded_to: torch.dtype | None, transposed: bool) -> bool:
+    """Whether the per-row kernels cast `t.to(rounded_to)` reading `t` itself: fp32 standing for bf16."""
+    return (rounded_to == torch.bfloat16 and t.dtype == torch.float32 and spec.dtype is not None and spec.block is None
+            and spec.amax_over is not None and _uses_kernels(t, backend, spec, transposed=transposed))
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t`'s values rounded to `dtype`: fp32 to bf16 in fp32 (exact in a compiled graph too), else `t.to(dtype)`."""
+    if dtype == torch.bfloat16 and t.dtype == torch.float32:
+        return round_to_bf16(t)
+    return t if dtype is None else t.to(dtype)
+
+
+def operand(t: torch.Tensor, spec: Cast, backend: str, rounded_to: torch.dtype | None = None) -> Operand:
+    """A 2-D `t` whose last dim the GEMM sums over, cast for it. With `rounded_to`, the cast of
+    `t.to(rounded_to)`: a weight read as stored (fp32) standing for the bf16 copy FSDP would have
+    made; the per-row kernels round as they read, and traced the rounding fuses into the cast (`round_to_bf16`)."""
+    if _rounds_in_kernel(t, spec, backend, rounded_to, transposed=False):
+        return _kernel_operands(t, spec, rowmajor=True, transposed=False, bf16_first=True)[0]
+    t = _rounded(t, rounded_to)
     if spec.dtype is None:
         return Operand(t)
     if _uses_kernels(t, backend, spec):
@@ -134,8 +155,15 @@ def operand(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
     return Operand(*cast_rowwise(t, -1, spec.dtype, spec.pow2, fused=fused))
 
 
-def operand_t(t: torch.Tensor, spec: Cast, backend: str) -> Operand:
-    """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout."""
+def operand_t(t: torch.Tensor, spec: Cast, backend: str, rounded_to: torch.dtype | None = None,
+              after: torch.Tensor | None = None) -> Operand:
+    """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout; `rounded_to` as in
+    `operand`. A weight read as stored is a parameter FSDP does not free, so a compiled graph's
+    partitioner would rather cast it in the forward and keep the 1-byte result than keep it (4 bytes):
+    `after` (the backward's incoming gradient) holds its cast in the backward."""
+    if _rounds_in_kernel(t, spec, backend, rounded_to, transposed=True):
+        return _kernel_operands(t, spec, rowmajor=False, transposed=True, bf16_first=True, after=after)[1]
+    t = _rounded(t, rounded_to)
     if spec.dtype is None:
         return Operand(t.t())
     if _uses_kernels(t, backend, spec, transposed=True):

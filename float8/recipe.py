@@ -135,6 +135,13 @@ class Float8Recipe:
         return self.output.rhs == self.grad_input.rhs == Cast(E4M3) or self.weight_blocks is not None
 
     @property
+    def weight_cast_per_row(self) -> bool:
+        """Both GEMMs that read the weight cast it with a scale per row (no blocks): the casts can read it
+        as stored, fp32 standing for its bf16 copy (`Float8Config.fsdp_unshard_as_stored`)."""
+        return all(c.dtype is not None and c.amax_over is not None and c.block is None
+                   for c in (self.output.rhs, self.grad_input.rhs))
+
+    @property
     def activations_gatherable_in_float8(self) -> bool:
         """The float8 TP styles (float8/tp.py) gather activations as e4m3 and gradients as e5m2
         with one scale per tensor; only casts that are the same reproduce the gathered values."""

@@ -81,6 +81,14 @@ def amax_to_scale(amax: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = Fa
     return scale
 
 
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to the nearest bf16 (ties to even, NaN kept), still fp32: `x.to(bf16).float()`
+    in integer bits, which a compiled graph keeps (inductor's fused kernels skip a bf16 round trip)."""
+    bits = x.view(torch.int32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
+    return torch.where(x.isnan(), x, rounded)
+
+
 def cast_with_scale(x: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     """Scale in fp32, clamp to the float8 range (float8 conversion does not saturate), cast."""
     fmax = torch.finfo(float8_dtype).max

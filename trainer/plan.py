@@ -83,8 +83,9 @@ class RunPlan:
         layout = check_layout(cfg, world_size, args.n_heads, args.n_kv_heads)
         vocab_sharded_logits = layout.tp > 1 and cfg.parallelism.loss_parallel
         loss_compiled, compile_text = choose_loss_compile(cfg.compile.mode, cfg.compile.loss, vocab_sharded_logits)
+        fast_path = choose_fast_path(cfg.parallelism.single_rank_fast_path, layout.dp)
         # Float8 off gives a no-op seam: nothing that uses the plan asks whether float8 is on.
-        float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, params.dtype))
+        float8 = build_seam(cfg.float8, Float8RunContext.for_run(cfg, device_type, params.dtype, fast_path.on))
         precision = PrecisionLabels.of(float8, params, cfg.training.mixed_precision_reduce)
         packing, packing_text = choose_gradient_packing(cfg.parallelism.gradient_packing)
         total, _ = n_params(args)
@@ -97,7 +98,7 @@ class RunPlan:
             device_type=device_type, params=params, tokenizer=tokenizer, model_args=args, facts=facts,
             params_without_embedding=without_embedding, vocab_sharded_logits=vocab_sharded_logits,
             loss_compiled=loss_compiled, compile_text=compile_text,
-            fast_path=choose_fast_path(cfg.parallelism.single_rank_fast_path, layout.dp), float8=float8,
+            fast_path=fast_path, float8=float8,
             gradient_packing=packing, gradient_packing_text=packing_text, precision=precision,
             # Replicas hold the whole of their shard group's state: the weights are split over the shards only.
             memory=estimate_for(cfg, args, device_type, layout.shard, layout.tp, params.dtype, vocab_sharded_logits,

@@ -39,6 +39,19 @@ def _abs_bits(x):
 
 
 @triton.jit
+def _load(ptr, mask, BF16_FIRST: tl.constexpr):
+    """x as fp32; with BF16_FIRST (fp32 x) rounded to bf16 first, to nearest even as torch's .to does:
+    a weight read as stored cast as the bf16 copy FSDP would have made of it. In integer bits, since
+    Triton's interpreter truncates in `.to(tl.bfloat16)`; a NaN stays NaN."""
+    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    if BF16_FIRST:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+    return x
+
+
+@triton.jit
 def _scale(amax_bits, FMAX: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr):
     """amax_to_scale: FMAX * 1/clamp(amax, EPS) (torch's float / tensor is reciprocal then
     multiply), rounded down to a power of two if POW2; a NaN amax stays NaN, as in torch.clamp."""
@@ -76,12 +89,13 @@ def _padded4(n):
 
 
 @triton.jit
-def _amax_2d_kernel(x_ptr, amax_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def _amax_2d_kernel(x_ptr, amax_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr, BF16_FIRST: tl.constexpr,
+                    BM: tl.constexpr, BK: tl.constexpr):
     """Per-row amaxes into amax[0:M], per-column into amax[M:M + K]."""
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rk = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    bits = _abs_bits(tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0))
+    bits = _abs_bits(_load(x_ptr + rm[:, None] * K + rk[None, :], mask, BF16_FIRST))
     if ROWS:
         tl.atomic_max(amax_ptr + rm, tl.max(bits, axis=1), mask=rm < M)
     if COLS:
@@ -92,7 +106,7 @@ def _amax_2d_kernel(x_ptr, amax_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexp
 def _cast_kernel(
     x_ptr, out_ptr, out_t_ptr, amax_ptr, scales_ptr, M, K,
     ROWWISE: tl.constexpr, SCALE_GIVEN: tl.constexpr, WRITE: tl.constexpr, WRITE_T: tl.constexpr,
-    DTYPE: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr,
+    DTYPE: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, EXACT: tl.constexpr, BF16_FIRST: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr,
 ):
     """x (M, K) -> out (M, K) and/or out_t (K, M). Tensorwise: one scale, given at scales[0] or from
@@ -103,7 +117,7 @@ def _cast_kernel(
     rm = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
     rk = pid_k.to(tl.int64) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = _load(x_ptr + rm[:, None] * K + rk[None, :], mask, BF16_FIRST)
     if ROWWISE:
         pm = _padded4(M)
         if WRITE:
@@ -174,10 +188,10 @@ def _aligned_views(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]
     return [buffer[sum(padded[:i]):sum(padded[:i]) + n] for i, n in enumerate(sizes)]
 
 
-def _constants(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool) -> dict:
+def _constants(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, bf16_first: bool = False) -> dict:
     return {
         "DTYPE": _TRITON_DTYPES[float8_dtype], "FMAX": torch.finfo(float8_dtype).max, "POW2": pow2,
-        "EXACT": x.is_cuda, "BM": BLOCK_M, "BK": BLOCK_K,
+        "EXACT": x.is_cuda, "BF16_FIRST": bf16_first, "BM": BLOCK_M, "BK": BLOCK_K,
     }
 
 
@@ -233,17 +247,19 @@ def _rows_parts(out: list[torch.Tensor], m: int, k: int, rowmajor: bool, transpo
     return [data, data_t, *_aligned_views(out[-1], [m, m, k, k])]
 
 
-def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor: bool, transposed: bool) -> list[torch.Tensor]:
+def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor: bool, transposed: bool,
+               bf16_first: bool, after: torch.Tensor | None) -> list[torch.Tensor]:
     out = _rows_outputs(x, float8_dtype, rowmajor, transposed)
     m, k = x.shape
     if not x.numel():
         return out
     # One buffer of amaxes and one of scales, indexed in the kernels: views cost host time a call.
     amax, grid = torch.zeros(m + k, dtype=torch.int32, device=x.device), _grid(m, k)
-    _amax_2d_kernel[grid](x, amax, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
+    _amax_2d_kernel[grid](x, amax, m, k, ROWS=rowmajor, COLS=transposed, BF16_FIRST=bf16_first, BM=BLOCK_M, BK=BLOCK_K)
     _cast_kernel[grid](
         x, out[0] if rowmajor else None, out[int(rowmajor)] if transposed else None, amax, out[-1], m, k,
-        ROWWISE=True, SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed, **_constants(x, float8_dtype, pow2),
+        ROWWISE=True, SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed,
+        **_constants(x, float8_dtype, pow2, bf16_first),
     )
     return out
 
@@ -253,20 +269,25 @@ def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor:
 # write both layouts (docs/benchmarks.md, "Rowwise casts as the kernels' op"). Its fake allocates.
 _cast_rows_op = define_op(
     "cast_rows", _cast_rows,
-    lambda x, float8_dtype, pow2, rowmajor, transposed: _rows_outputs(x, float8_dtype, rowmajor, transposed),
+    lambda x, float8_dtype, pow2, rowmajor, transposed, bf16_first, after: _rows_outputs(x, float8_dtype, rowmajor, transposed),
 )
 
 
 def cast_rowwise_layouts(
-    x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True, *, rowmajor: bool = True, transposed: bool = False
+    x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True, *, rowmajor: bool = True, transposed: bool = False,
+    bf16_first: bool = False, after: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
            torch.Tensor | None, torch.Tensor | None]:
     """x cast with one scale per row (amax over K) row-major and/or one per column (amax over M)
     transposed: (data, data_t, row scales (M, 1), their inverses, column scales (K, 1), their
-    inverses), None for a layout not asked for. Inside torch.compile, one op."""
+    inverses), None for a layout not asked for; with `bf16_first`, the cast of `x.to(torch.bfloat16)`,
+    read from `x` itself (no bf16 copy). Inside torch.compile, one op; `after`, a tensor it does not
+    read, orders it after that tensor's producer (a backward's cast of a weight after the incoming
+    gradient: else the partitioner may cast in the forward and keep the bytes until the backward)."""
     m, k = _check_2d(x)
     # Outside a compile the kernels are called straight, without the op's dispatch (~7 us of host time a call).
-    out = (_cast_rows_op if torch.compiler.is_compiling() else _cast_rows)(x, float8_dtype, pow2, rowmajor, transposed)
+    out = (_cast_rows_op if torch.compiler.is_compiling() else _cast_rows)(x, float8_dtype, pow2, rowmajor, transposed,
+                                                                           bf16_first, after)
     data, data_t, *scales = _rows_parts(out, m, k, rowmajor, transposed)
     row_scale, row_inv, col_scale, col_inv = (t[:, None] for t in scales)
     if not rowmajor:

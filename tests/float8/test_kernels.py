@@ -311,3 +311,51 @@ def test_kernels_compile_for_hopper():
     compiler passes (Triton ships ptxas; no GPU needed): the interpreter checks none of what
     only the compiler does, such as that kernels read globals only as constexprs."""
     assert_compiles_for_hopper(_COMPILE_FOR_HOPPER)
+
+
+@pytest.mark.parametrize("shape", [(100, 70), (65, 130)])
+def test_rowwise_kernels_read_fp32_as_its_bf16_copy(shape):
+    x = torch.randn(shape)
+    # A value that bf16 rounds onto an e4m3 tie (1 + 1/16 + 2^-10 -> 1.0625): cast from fp32 it rounds up instead.
+    x[::3, ::5] = 1.0625 + 2.0**-10
+    x[0, 0] = 1.07  # every row's and column's amax the same in both, so only the rounding differs
+    for rowmajor, transposed in ((True, False), (False, True), (True, True)):
+        layouts = {"rowmajor": rowmajor, "transposed": transposed}
+        copy_cast = kernels.cast_rowwise_layouts(x.to(torch.bfloat16), E4M3, True, **layouts)
+        read_cast = kernels.cast_rowwise_layouts(x, E4M3, True, bf16_first=True, **layouts)
+        fp32_cast = kernels.cast_rowwise_layouts(x, E4M3, True, **layouts)
+        for copy_part, read_part, fp32_part in zip(copy_cast, read_cast, fp32_cast):
+            assert (copy_part is None) == (read_part is None)
+            if copy_part is not None and copy_part.dtype == E4M3:
+                assert torch.equal(_bytes(read_part), _bytes(copy_part))
+                assert not torch.equal(_bytes(fp32_part), _bytes(copy_part))
+            elif copy_part is not None:
+                assert torch.equal(read_part, copy_part)
+
+
+def test_weight_read_as_stored_is_cast_for_the_backward_in_the_backward():
+    # A weight read as stored is, to the partitioner, a 4-byte input to keep: unless ordered after the
+    # gradient it casts it for grad_input in the forward and keeps those bytes for every layer until the backward.
+    import functools
+
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from float8.gathered import StoredWeight
+    from float8.linear import float8_mm
+
+    forward_casts = []
+
+    def forward_compiler(gm, _inputs):
+        forward_casts.append(sum(n.target is torch.ops.float8_training.cast_rows.default for n in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _inputs: make_boxed_func(gm.forward),
+                           partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+    config = Float8Config(scaling="rowwise", eager_casts="triton")
+    mm = torch.compile(lambda x, w: float8_mm(x, w, config), backend=backend, fullgraph=True)
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = StoredWeight(torch.randn(48, 64), torch.bfloat16).requires_grad_()
+    mm(x, w).sum().backward()
+    # x's cast in both layouts is the forward's one op; the weight's backward cast is not there.
+    assert forward_casts == [1]

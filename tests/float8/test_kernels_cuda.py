@@ -127,3 +127,25 @@ def test_compiled_rowwise_linear_is_the_eager_one_bitwise(scaling):
         for wrap in (lambda m: m, lambda m: torch.compile(m, fullgraph=True))
     )
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
+def test_weight_read_as_stored_is_its_bf16_copy_bitwise(scaling):
+    # The one-GPU unshard hands rowwise linears the fp32 shard (float8/fsdp.py, as_stored): eager (the
+    # kernels round as they read) and compiled (inductor's rounding, the op's in-kernel one), the copy's bytes.
+    from float8.gathered import StoredWeight
+
+    torch.manual_seed(0)
+    w32 = torch.randn(11008, 4096, device="cuda") * 0.02
+    x = torch.randn(4094, 4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(4094, 11008, device="cuda", dtype=torch.bfloat16)
+
+    def step(weight: torch.Tensor, compiled: bool):
+        with torch.device("meta"):
+            linear = Float8Linear(4096, 11008, bias=False, config=Float8Config(scaling=scaling))
+        linear.weight = nn.Parameter(weight)
+        return linear_step(torch.compile(linear, fullgraph=True) if compiled else linear, x, g)
+
+    for compiled in (False, True):
+        copy_, read = step(w32.to(torch.bfloat16), compiled), step(StoredWeight(w32, torch.bfloat16), compiled)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(copy_, read)), compiled

@@ -270,6 +270,8 @@ def test_fsdp_all_gather_weight_trains_like_a_plain_weight():
         ({"filter_fqns": None}, "filter_fqns"),
         ({"min_features": -1}, "min_features"),
         ({"scaling": "rowwise", "fsdp_float8_all_gather": True}, "fsdp_float8_all_gather"),
+        ({"scaling": "tensorwise", "fsdp_unshard_as_stored": True}, "fsdp_unshard_as_stored"),
+        ({"fsdp_unshard_as_stored": 1}, "fsdp_unshard_as_stored"),
         ({"eager_casts": "yes"}, "eager_casts"),
         ({"dynamo_recompile_limit": -1}, "dynamo_recompile_limit"),
     ],
@@ -340,3 +342,43 @@ def test_fsdp_pre_all_gather_pads_uneven_shards_and_round_trips():
     assert isinstance(gathered, Float8GatheredWeight) and gathered.dtype == torch.bfloat16
     assert inner[0].dtype == E4M3
     assert sqnr(full[3:], from_float8(gathered._data[:2], gathered._scale, torch.float32)) >= 25
+
+
+@pytest.mark.version_specific
+@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_gw_hp"])
+def test_weight_read_as_stored_casts_like_its_bf16_copy(scaling):
+    from float8.gathered import StoredWeight
+    from float8.linear import float8_mm
+
+    config = Float8Config(scaling=scaling, emulate=cpu_float8_emulated(scaling))
+    w32 = torch.randn(48, 64)
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    g = torch.randn(32, 48, dtype=torch.bfloat16)
+    results = []
+    for weight in (w32.to(torch.bfloat16), StoredWeight(w32, torch.bfloat16)):
+        w, xi = nn.Parameter(weight), x.clone().requires_grad_()
+        out = float8_mm(xi, w, config)
+        out.backward(g)
+        grad_w = w.grad._data if isinstance(w.grad, StoredWeight) else w.grad
+        results.append((out, xi.grad, grad_w))
+    # The bf16 copy's bytes, read from the fp32 weight: bitwise, gradients in bf16 as for the copy.
+    for ref, got in zip(*results):
+        assert got.dtype == torch.bfloat16 and torch.equal(ref, got)
+
+
+@pytest.mark.version_specific
+def test_weight_unsharded_as_stored_at_one_rank_only():
+    from types import SimpleNamespace
+
+    from float8.fsdp import Float8TrainingWeight
+    from float8.gathered import StoredWeight
+
+    w = torch.randn(8, 16)
+    shard = Float8TrainingWeight(w, as_stored=True)
+    assert shard.fsdp_all_gather_input_is_kept
+    (data,), _ = shard.fsdp_pre_all_gather(SimpleNamespace(ndim=1, size=lambda: 1))
+    assert data is w
+    unsharded, _ = shard.fsdp_post_all_gather((data,), None, torch.bfloat16)
+    assert isinstance(unsharded, StoredWeight) and unsharded.dtype == torch.bfloat16 and unsharded._data is w
+    with pytest.raises(ValueError, match="one rank, got 2"):
+        shard.fsdp_pre_all_gather(SimpleNamespace(ndim=1, size=lambda: 2))

@@ -27,6 +27,7 @@ from float8.autofilter import AUTO_RULE, Timer, describe_shapes
 from float8.convert import FILTER_FQNS, TensorParallelAlignment, all_of
 from float8.health import Float8HealthMonitor, HealthReport
 from float8.operands import eager_backend
+from float8.recipe import RECIPES
 from float8.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from trainer.config import Float8TrainingConfig
 from trainer.distributed.memory_plan import Float8Memory
@@ -61,13 +62,15 @@ CPU_COMPILED_ROWWISE_NOTE = (
 )
 
 
-def float8_config(f8: Float8TrainingConfig) -> Float8Config:
-    """The package's config for the trainer's `[float8]` section (same names, same defaults)."""
+def float8_config(f8: Float8TrainingConfig, single_rank_fast_path: bool = False) -> Float8Config:
+    """The package's config for the trainer's `[float8]` section (same names, same defaults); on the
+    one-GPU fast path, weights cast per row in the step are read as stored (no unshard copy)."""
     return Float8Config(
         scaling=f8.scaling,
         emulate=f8.emulate,
         # The package itself would refuse a recipe that cannot gather float8 weights with the flag.
         fsdp_float8_all_gather=gathers_float8_weights(f8),
+        fsdp_unshard_as_stored=single_rank_fast_path and RECIPES[f8.scaling].weight_cast_per_row,
         filter_fqns=list(f8.filter_fqns),
         min_features=f8.min_features, eager_casts=f8.eager_casts,
     )
@@ -103,7 +106,7 @@ class OursFloat8Training(Float8Rules):
 
     def __init__(self, f8: Float8TrainingConfig, run: Float8RunContext, timer: Timer | None = None) -> None:
         super().__init__(f8, run)
-        self.config = float8_config(f8)
+        self.config = float8_config(f8, run.single_rank_fast_path)
         # How filter = "auto" times a linear shape: float8.autofilter.time_linear_shape unless a test stubs it.
         self.timer = timer
         self._notes: list[str] = []

@@ -40,14 +40,18 @@ class Float8RunContext:
     health_freq: int = 0
     # parallelism.tensor_parallel_degree: each rank holds 1/tp of every converted linear.
     tp_degree: int = 1
+    # The one-GPU fast path is on (trainer/distributed/single_rank_fast_path.py): FSDP over one rank,
+    # whose unshard keeps what a weight hands it.
+    single_rank_fast_path: bool = False
 
     @staticmethod
-    def for_run(cfg: Config, device_type: str, param_dtype: str) -> Float8RunContext:
+    def for_run(cfg: Config, device_type: str, param_dtype: str, single_rank_fast_path: bool = False) -> Float8RunContext:
         return Float8RunContext(
             device_type=device_type, compile_mode=cfg.compile.mode, param_dtype=param_dtype,
             float8_tensor_parallel=cfg.parallelism.float8_tensor_parallel,
             micro_batch_tokens=cfg.training.batch_size * cfg.training.seq_len,
             health_freq=cfg.metrics.float8_stats_freq, tp_degree=cfg.parallelism.tensor_parallel_degree,
+            single_rank_fast_path=single_rank_fast_path,
         )
 
 

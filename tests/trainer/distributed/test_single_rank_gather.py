@@ -1,5 +1,6 @@
 """FSDP2 at one rank with the single-rank unshard: FSDP's own results bitwise, and kept float8
-shards used in place (no copy, never freed by FSDP's reshard)."""
+shards used in place (no copy, never freed by FSDP's reshard); rowwise weights read as stored
+(fp32, no copy) give the bf16 copy's results bitwise."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _groups(model: nn.Module) -> list:
     return [g for g in groups if g is not None]
 
 
-def _model(float8: bool, single: bool) -> nn.Module:
+def _model(float8: bool | str, single: bool) -> nn.Module:
+    """`float8`: False, True (tensorwise with the float8 all-gather) or "rowwise" (read as stored when `single`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -40,7 +42,9 @@ def _model(float8: bool, single: bool) -> nn.Module:
         nn.Linear(64, 32, bias=not float8),
     )
     if float8:
-        convert_to_float8_training(model, config=Float8Config(fsdp_float8_all_gather=True))
+        config = Float8Config(scaling="rowwise", fsdp_unshard_as_stored=single) if float8 == "rowwise" \
+            else Float8Config(fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=config)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (1,))  # on the CPU where a GPU is present too
     for layer in model:
@@ -53,11 +57,12 @@ def _model(float8: bool, single: bool) -> nn.Module:
 
 
 def _kept_shard(layer: nn.Module) -> torch.Tensor | None:
-    fsdp_param = layer._get_fsdp_state()._fsdp_param_group.fsdp_params[0]  # the weight
-    return getattr(fsdp_param.sharded_param._local_tensor, "_float8_shard", None)
+    """The kept float8 shard, or for a weight read as stored the shard itself."""
+    local = layer._get_fsdp_state()._fsdp_param_group.fsdp_params[0].sharded_param._local_tensor  # the weight
+    return local._tensor if getattr(local, "_as_stored", False) else getattr(local, "_float8_shard", None)
 
 
-def _train(float8: bool, single: bool, cast_weights: list[bool]) -> dict:
+def _train(float8: bool | str, single: bool, cast_weights: list[bool]) -> dict:
     from float8 import precompute_float8_scales_for_fsdp
     from float8.fsdp import plain_weight
 
@@ -83,7 +88,7 @@ def _train(float8: bool, single: bool, cast_weights: list[bool]) -> dict:
         grads.append([g for p in model.parameters() for g in p.grad.full_tensor().flatten().tolist()])
         opt.step()
         opt.zero_grad()
-        if float8:
+        if float8 is True:
             precompute_float8_scales_for_fsdp(model, cast_weights=cast_weights[step])
             kept_ptrs.append([k.data_ptr() if (k := _kept_shard(m)) is not None else None for m in linears])
     weights = [v for p in model.parameters() for v in plain_weight(p).full_tensor().flatten().tolist()]
@@ -109,6 +114,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             ("float8_cast_once", True, [True] * STEPS),
             # kept, then cast at each all-gather, then kept again: FSDP's storage and the kept shard in turn
             ("float8_switching", True, [True, False, True, True]),
+            ("rowwise", "rowwise", [False] * STEPS),
         ]:
             before = waits[0]
             result[name] = {"fsdp": _train(float8, False, cast), "single": _train(float8, True, cast)}
@@ -142,4 +148,6 @@ def test_single_rank_gather_matches_fsdp_and_uses_kept_float8_shards_in_place(tm
     assert all(ptrs == once["kept_ptrs"][0] for ptrs in once["kept_ptrs"]) and None not in once["kept_ptrs"][0]
     switching = result["float8_switching"]["single"]
     assert switching["in_place"] == [[False] * 3, [True] * 3, [False] * 3, [True] * 3]
+    # Rowwise weights read as stored: every unshard is the fp32 shard itself, from the first step on.
+    assert result["rowwise"]["single"]["in_place"] == [[True] * 3] * STEPS
 

@@ -52,6 +52,18 @@ def test_trainer_and_package_share_every_float8_default():
     assert dataclasses.fields(Float8TrainingConfig)[1].metadata["choices"] == tuple(RECIPES)
 
 
+@pytest.mark.parametrize("scaling, fast_path, as_stored", [
+    ("rowwise", True, True), ("rowwise_gw_hp", True, True), ("rowwise", False, False), ("tensorwise", True, False),
+])
+def test_weights_cast_per_row_are_read_as_stored_on_the_one_gpu_fast_path(scaling, fast_path, as_stored):
+    cfg = _cfg(scaling=scaling)
+    seam = build_seam(cfg.float8, Float8RunContext.for_run(cfg, "cpu", "bfloat16", single_rank_fast_path=fast_path))
+    model = build_meta_model(LLAMA2_FLAVORS["debug"])
+    seam.convert(model)
+    weight = model.layers["0"].attention.wq.weight
+    assert getattr(weight, "_as_stored", False) is as_stored
+
+
 def test_float8_off_is_a_seam_that_does_nothing():
     seam = _seam(Config())
     assert isinstance(seam, NoFloat8Training)
