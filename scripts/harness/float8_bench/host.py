@@ -23,8 +23,8 @@ def calls(device: torch.device) -> list[tuple[str, Callable[[], list[torch.Tenso
     x = torch.randn(*SHAPE, device=device, dtype=torch.bfloat16)
     e4m3 = torch.float8_e4m3fn
     return [
-        ("rowwise both layouts, op (compiled steps)", lambda: torch.ops.float8_training.cast_rows.default(x, e4m3, True, True, True)),
-        ("rowwise both layouts, straight (eager)", lambda: cast._cast_rows(x, e4m3, True, True, True)),
+        ("rowwise both layouts, op (compiled steps)", lambda: torch.ops.float8_training.cast_rows.default(x, e4m3, True, True, True, False, None)),
+        ("rowwise both layouts, straight (eager)", lambda: cast._cast_rows(x, e4m3, True, True, True, False, None)),
         ("1x128 tiles both layouts, op (compiled steps)",
          lambda: torch.ops.float8_training.cast_blocks.default(x, None, [1, 128], e4m3, True, True, True)),
         ("1x128 tiles both layouts, straight (eager)", lambda: blocks._cast_blocks(x, None, [1, 128], e4m3, True, True, True)),
