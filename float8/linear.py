@@ -21,6 +21,7 @@ from float8.operands import (
     operand,
     operand_t,
     operands_both,
+    rounded,
     shared,
     transposed,
 )
@@ -102,8 +103,8 @@ class _Float8Matmul(torch.autograd.Function):
         # Armed for float8 health (float8/health.py): the forward casts' stats wait for backward,
         # which hands them out with the gradient cast's as the probe's gradient.
         ctx.probed = health_probe is not None
-        health = (torch.stack([_stats(x, x_op, recipe.output.lhs), _stats(
-            w if ctx.rounded_to is None else w.to(ctx.rounded_to), w_op, recipe.output.rhs)]),) if ctx.probed else ()
+        health = (torch.stack([_stats(x, x_op, recipe.output.lhs),
+                               _stats(rounded(w, ctx.rounded_to), w_op, recipe.output.rhs)]),) if ctx.probed else ()
         w_kept = (w_op.data, w_op.scale, w_op.inv) if ctx.gathered else \
             (w, w_op.scale, w_op.inv) if ctx.w_shared else (w, None, None)
         ctx.save_for_backward(*x_gw, *w_kept, *health)

@@ -129,7 +129,7 @@ def _rounds_in_kernel(t: torch.Tensor, spec: Cast, backend: str, rounded_to: tor
             and spec.amax_over is not None and _uses_kernels(t, backend, spec, transposed=transposed))
 
 
-def _rounded(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def rounded(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """`t`'s values rounded to `dtype`: fp32 to bf16 in fp32 (exact in a compiled graph too), else `t.to(dtype)`."""
     if dtype == torch.bfloat16 and t.dtype == torch.float32:
         return round_to_bf16(t)
@@ -142,7 +142,7 @@ def operand(t: torch.Tensor, spec: Cast, backend: str, rounded_to: torch.dtype |
     made; the per-row kernels round as they read, and traced the rounding fuses into the cast (`round_to_bf16`)."""
     if _rounds_in_kernel(t, spec, backend, rounded_to, transposed=False):
         return _kernel_operands(t, spec, rowmajor=True, transposed=False, bf16_first=True)[0]
-    t = _rounded(t, rounded_to)
+    t = rounded(t, rounded_to)
     if spec.dtype is None:
         return Operand(t)
     if _uses_kernels(t, backend, spec):
@@ -163,7 +163,7 @@ def operand_t(t: torch.Tensor, spec: Cast, backend: str, rounded_to: torch.dtype
     `after` (the backward's incoming gradient) holds its cast in the backward."""
     if _rounds_in_kernel(t, spec, backend, rounded_to, transposed=True):
         return _kernel_operands(t, spec, rowmajor=False, transposed=True, bf16_first=True, after=after)[1]
-    t = _rounded(t, rounded_to)
+    t = rounded(t, rounded_to)
     if spec.dtype is None:
         return Operand(t.t())
     if _uses_kernels(t, backend, spec, transposed=True):
