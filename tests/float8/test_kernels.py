@@ -285,22 +285,23 @@ def all_pairs(*choices):
         yield row
 
 tile = {"BM": kernels.BLOCK_M, "BK": kernels.BLOCK_K}
-# All pairs of choices (11 variants) rather than all 72 combinations: a kernel's constexpr branches
-# meet at most two at a time, and each Hopper compile takes 2-3 s on a CPU.
-for (dtype, name, fmax), (rowwise, given), pow2, layouts, x in all_pairs(
+# All pairs of choices rather than all 144 combinations: a kernel's constexpr branches meet at most
+# two at a time, and each Hopper compile takes 2-3 s on a CPU. (fp32, True): an fp32 weight read as its bf16 copy.
+for (dtype, name, fmax), (rowwise, given), pow2, layouts, (x, bf16_first) in all_pairs(
     [(tl.float8e4nv, "fp8e4nv", 448.0), (tl.float8e5, "fp8e5", 57344.0)],
     [(False, False), (False, True), (True, False)], [False, True],
-    [(True, False), (False, True), (True, True)], ["bf16", "fp32"],
+    [(True, False), (False, True), (True, True)], [("bf16", False), ("fp32", False), ("fp32", True)],
 ):
     compile(kernels._cast_kernel,
             {"x_ptr": f"*{x}", "out_ptr": f"*{name}", "out_t_ptr": f"*{name}", "amax_ptr": "*i32", "scales_ptr": "*fp32",
              "M": "i32", "K": "i32"},
             {"ROWWISE": rowwise, "SCALE_GIVEN": given, "WRITE": layouts[0], "WRITE_T": layouts[1], "DTYPE": dtype,
-             "FMAX": fmax, "POW2": pow2, "EXACT": True, **tile})
+             "FMAX": fmax, "POW2": pow2, "EXACT": True, "BF16_FIRST": bf16_first, **tile})
 compile(kernels._amax_flat_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32", "n": "i32"}, {"BLOCK": kernels.AMAX_BLOCK})
-for rows, cols in [(True, False), (False, True), (True, True)]:
-    compile(kernels._amax_2d_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32", "M": "i32", "K": "i32"},
-            {"ROWS": rows, "COLS": cols, **tile})
+for rows, cols, x, bf16_first in [(True, False, "bf16", False), (False, True, "bf16", False), (True, True, "bf16", False),
+                                  (False, True, "fp32", True)]:
+    compile(kernels._amax_2d_kernel, {"x_ptr": f"*{x}", "amax_ptr": "*i32", "M": "i32", "K": "i32"},
+            {"ROWS": rows, "COLS": cols, "BF16_FIRST": bf16_first, **tile})
 compile(kernels._transpose_kernel, {"x_ptr": "*u8", "out_ptr": "*u8", "M": "i32", "K": "i32"}, tile)
 print("compiled")
 '''
