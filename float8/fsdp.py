@@ -27,7 +27,9 @@ A weight of a recipe that casts it per row in the step (rowwise), at one FSDP ra
 hands the shard itself, fp32, as a `StoredWeight` standing for its bf16 copy, and Float8Linear's
 casts round it to bf16 as they read it (the copy's bytes). With an unshard that keeps its input (the
 trainer's one-GPU fast path) no copy is made at all: 12 bytes a parameter a step that rowwise
-spent building bf16 weights from the fp32 shards.
+spent building bf16 weights from the fp32 shards. The unshard also hands the amaxes of the weight's
+rows and columns (read once after the optimizer step by `precompute_float8_scales_for_fsdp`, else at
+the unshard), so each of its two casts reads it once.
 
 The two subclasses unwrap to plain tensors for every other op, so optimizers,
 initialisation, `to_empty` and state dicts see ordinary high-precision values.
@@ -47,7 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from float8.fsdp_blocks import BlockSharding, block_shard_dim, gather_block_scales
 from float8.gathered import Float8GatheredWeight, StoredWeight
-from float8.operands import cast_weight_with_scale, eager_backend, operand
+from float8.operands import amax_rows_and_columns, cast_weight_with_scale, eager_backend, operand
 from float8.recipe import Cast
 from float8.scaling import E4M3, amax_to_scale
 
@@ -90,6 +92,9 @@ class Float8TrainingWeight(torch.Tensor):
     _sharding: BlockSharding | None
     # Unsharded as stored, no float8 all-gather (one rank only; the module docstring says why).
     _as_stored: bool
+    # Such a weight's `amax_rows_and_columns`, set with the weight (after the optimizer step) for its
+    # unshards until the next: None, each unshard reads the weight for them.
+    _amax: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, precomputed_scale: torch.Tensor | None = None, cast: Cast | None = None,
@@ -111,6 +116,7 @@ class Float8TrainingWeight(torch.Tensor):
         self._precomputed_scale = precomputed_scale
         self._float8_shard = None
         self._cast, self._sharding, self._as_stored = cast, sharding, as_stored
+        self._amax = None
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
@@ -157,6 +163,13 @@ class Float8TrainingWeight(torch.Tensor):
         return f"Float8TrainingWeight({self._tensor})"
 
     @property
+    def wants_row_and_column_amaxes(self) -> bool:
+        """Whether an optimizer that finds its weights' amaxes as it writes them (the trainer's Triton AdamW)
+        should find this one's per row and per column, for `precompute_float8_scales_for_fsdp`: a weight
+        unsharded as stored, whose two casts (per row, per column) read it once each with them."""
+        return self._as_stored
+
+    @property
     def fsdp_all_gather_input_is_kept(self) -> bool:
         """Whether `fsdp_pre_all_gather` hands on the kept float8 shard, or the shard itself (`as_stored`):
         bytes that stay valid, in the same storage, until the next optimizer step rewrites them in place."""
@@ -176,7 +189,9 @@ class Float8TrainingWeight(torch.Tensor):
             if mesh.size() > 1:
                 raise ValueError(f"float8: weights unsharded as stored (fsdp_unshard_as_stored) need FSDP over one rank, "
                                  f"got {mesh.size()}: they would all-gather fp32")
-            return (self._tensor,), None
+            amax = self._amax if self._amax is not None else \
+                amax_rows_and_columns(self._tensor, eager_backend(self.device.type, "auto"))
+            return (self._tensor,), (amax,)
         scale, data = self._precomputed_scale, self._float8_shard
         if self._cast is not None and data is None:
             sharding = self.block_sharding(mesh.size(), outer_size if mesh.ndim == 1 else None)
@@ -207,10 +222,11 @@ class Float8TrainingWeight(torch.Tensor):
     ):
         (data,) = all_gather_outputs
         if self._as_stored:
+            (amax,) = metadata
             if out is None:
-                return StoredWeight(data, param_dtype), (data,)
+                return StoredWeight(data, param_dtype, amax), (data,)
             inner = out._local_tensor if isinstance(out, DTensor) else out
-            inner._data = data
+            inner._data, inner._amax = data, amax
             return None
         (scale,) = metadata
         if out is not None:
@@ -250,8 +266,20 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
     step instead of one per all-gather, for 1 byte per sharded parameter kept meanwhile.
     The weights must not change between this call and those all-gathers. `amaxes`: shards' max |value|
     already known, by parameter (0-dim fp32; from the optimizer step that wrote them): no amax pass.
+
+    Weights unsharded as stored (`fsdp_unshard_as_stored`) get the amaxes of their rows and columns,
+    which each cast of them until the next call takes instead of reading the weight for them (without
+    this call every unshard reads it once more for them): from `amaxes` where it has them ((rows +
+    columns,) fp32, `amax_rows_and_columns`'s layout), else from one read here.
     """
     weights = [p for p in model.parameters() if isinstance(p, DTensor) and isinstance(p._local_tensor, Float8TrainingWeight)]
+    for w in weights:
+        local = w._local_tensor
+        if local._as_stored:
+            given = (amaxes or {}).get(w)
+            local._amax = given if given is not None and given.shape == (sum(local.shape),) else \
+                amax_rows_and_columns(local._tensor, eager_backend(local.device.type, "auto"))
+    weights = [w for w in weights if not w._local_tensor._as_stored]
     if not weights:
         return
     by_mesh: dict[Any, list[DTensor]] = {}

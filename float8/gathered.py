@@ -78,39 +78,47 @@ class Float8GatheredWeight(torch.Tensor):
 class StoredWeight(torch.Tensor):
     """A weight as its shard is stored (fp32), standing for the `dtype` (bf16) copy FSDP2 would unshard:
     at one rank, for recipes that cast the weight in the step (rowwise), the unshard hands this instead
-    of copying (float8/fsdp.py, `as_stored`).
+    of copying (float8/fsdp.py, `as_stored`), with the amax of each of its rows and columns (as stored,
+    `float8.operands.amax_rows_and_columns`).
 
-    Float8Linear casts `_data` rounded to `dtype` as it reads it: the bytes of the copy's cast. Any
-    other op sees `_data.to(dtype)`, and gradients flow in `dtype`, as for the copy.
+    Float8Linear casts `_data` rounded to `dtype` as it reads it, with scales from `_amax`: the bytes of
+    the copy's cast, from one read each. Any other op sees `_data.to(dtype)`, and gradients flow in
+    `dtype`, as for the copy.
     """
 
     _data: torch.Tensor
+    _amax: torch.Tensor
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, dtype: torch.dtype):
+    def __new__(cls, data: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(
             cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
             device=data.device, requires_grad=False,
         )
 
-    def __init__(self, data: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, data: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor):
         self._data = data
+        self._amax = amax
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         kwargs = kwargs or {}
         if func in _GATHERED_VIEWS:
             w = args[0]
-            return cls(func(w._data, *args[1:], **kwargs), w.dtype)
+            view = func(w._data, *args[1:], **kwargs)
+            # The amaxes hold for views of the same shape (FSDP's, compile's aliases) only.
+            if view.shape == w.shape:
+                return cls(view, w.dtype, w._amax)
+            return view.to(w.dtype)
         args, kwargs = pytree.tree_map_only(cls, lambda t: t._data.to(t.dtype), (args, kwargs))
         return func(*args, **kwargs)
 
     def __tensor_flatten__(self):
-        return ["_data"], self.dtype
+        return ["_data", "_amax"], self.dtype
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        return StoredWeight(inner_tensors["_data"], ctx)
+        return StoredWeight(inner_tensors["_data"], ctx, inner_tensors["_amax"])
 
     def __repr__(self) -> str:
         return f"StoredWeight(dtype={self.dtype}, stored as {self._data.dtype}, shape={tuple(self.shape)})"

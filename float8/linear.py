@@ -23,6 +23,7 @@ from float8.operands import (
     operands_both,
     rounded,
     shared,
+    stored_weight_operands,
     transposed,
 )
 from float8.recipe import Cast, Float8Recipe, Gemm
@@ -92,20 +93,28 @@ class _Float8Matmul(torch.autograd.Function):
         # the layout that GEMM reads or (ctx.x_transposed_later) still to be transposed.
         x_op, x_gw, ctx.x_transposed_later = operands_both(x, recipe.output.lhs, recipe.grad_weight.rhs, backend)
         ctx.gathered = isinstance(w, Float8GatheredWeight)
-        # A weight unsharded as stored (fp32) is cast as its bf16 copy would be, rounded as it is read.
-        ctx.rounded_to = w.dtype if isinstance(w, StoredWeight) else None
-        if ctx.rounded_to is not None:
+        # A weight unsharded as stored (fp32, with its rows' and columns' amaxes) is cast as its bf16 copy
+        # would be, for both its GEMMs from one read; grad_input's layout waits for the backward (1 byte a
+        # parameter; the weight's own 4 stay FSDP's, which keeps them at one rank anyway).
+        ctx.stored = isinstance(w, StoredWeight)
+        rounded_to = w.dtype if ctx.stored else None
+        if ctx.gathered:
+            # FSDP all-gathered the weight in float8 already, with its scale.
+            w_op = Operand(w._data, w._scale)
+        elif ctx.stored:
+            w_op, w_t_op = stored_weight_operands(w._data, w._amax, recipe.output.rhs, recipe.grad_input.rhs, backend,
+                                                  rounded_to)
             w = w._data
-        # FSDP may have all-gathered the weight in float8 already, with its scale.
-        w_op = Operand(w._data, w._scale) if ctx.gathered else operand(w, recipe.output.rhs, backend, ctx.rounded_to)
+        else:
+            w_op = operand(w, recipe.output.rhs, backend)
         out = _gemm(recipe.output, x_op, w_op, x.dtype, emulate)
         ctx.w_shared = shared(recipe.grad_input.rhs, recipe.output.rhs)
         # Armed for float8 health (float8/health.py): the forward casts' stats wait for backward,
         # which hands them out with the gradient cast's as the probe's gradient.
         ctx.probed = health_probe is not None
         health = (torch.stack([_stats(x, x_op, recipe.output.lhs),
-                               _stats(rounded(w, ctx.rounded_to), w_op, recipe.output.rhs)]),) if ctx.probed else ()
-        w_kept = (w_op.data, w_op.scale, w_op.inv) if ctx.gathered else \
+                               _stats(rounded(w, rounded_to), w_op, recipe.output.rhs)]),) if ctx.probed else ()
+        w_kept = (w_op.data, w_op.scale, w_op.inv) if ctx.gathered else tuple(w_t_op) if ctx.stored else \
             (w, w_op.scale, w_op.inv) if ctx.w_shared else (w, None, None)
         ctx.save_for_backward(*x_gw, *w_kept, *health)
         return out.reshape(*x_shape[:-1], out.shape[-1])
@@ -121,11 +130,13 @@ class _Float8Matmul(torch.autograd.Function):
         g_op, g_gw, g_transposed_later = operands_both(g, recipe.grad_input.lhs, recipe.grad_weight.lhs, backend)
         if ctx.gathered:
             w_op = transposed(Operand(w, w_scale, w_inv), backend)
+        elif ctx.stored:
+            w_op = Operand(w, w_scale, w_inv)
         elif ctx.w_shared:
             # The forward's scale (or square blocks' scales), cast straight into the transposed layout.
             w_op = Operand(cast_t_with_scale(w, w_scale, recipe.grad_input.rhs, backend), *map(_t, (w_scale, w_inv)))
         else:
-            w_op = operand_t(w, recipe.grad_input.rhs, backend, ctx.rounded_to, after=g)
+            w_op = operand_t(w, recipe.grad_input.rhs, backend)
         grad_x = _gemm(recipe.grad_input, g_op, w_op, ctx.x_dtype, emulate)
 
         if g_transposed_later:

@@ -29,6 +29,8 @@ from float8.blocks import cast_blocks_with_scale, cast_blockwise, cast_blockwise
 from float8.recipe import Cast
 from float8.scaling import (
     cast_colwise_t,
+    cast_colwise_t_with_amax,
+    cast_rows_with_amax,
     cast_rowwise,
     cast_tensorwise,
     cast_tensorwise_t,
@@ -105,10 +107,10 @@ def _uses_kernels(t: torch.Tensor, backend: str, spec: Cast | None = None, trans
 
 
 def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bool, bf16_first: bool = False,
-                     after: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None]:
+                     amax: torch.Tensor | None = None) -> tuple[Operand | None, Operand | None]:
     """`t` cast by the kernels as `spec` says, row-major and/or transposed (None where not asked):
     per tensor one scale serves both; per row, the transposed layout takes per-column scales.
-    `bf16_first` and `after` (per row only): as `cast_rowwise_layouts` takes them."""
+    `bf16_first` and `amax` (per row only): as `cast_rowwise_layouts` takes them."""
     kernels = _kernels()
     if spec.block is not None:
         data, data_t, scale, inv, scale_t, inv_t = _block_kernels().cast_blockwise_layouts(
@@ -119,7 +121,7 @@ def _kernel_operands(t: torch.Tensor, spec: Cast, rowmajor: bool, transposed: bo
         scale_t, inv_t = scale, inv
     else:
         data, data_t, scale, inv, scale_t, inv_t = kernels.cast_rowwise_layouts(
-            t, spec.dtype, spec.pow2, rowmajor=rowmajor, transposed=transposed, bf16_first=bf16_first, after=after)
+            t, spec.dtype, spec.pow2, rowmajor=rowmajor, transposed=transposed, bf16_first=bf16_first, amax=amax)
     return (Operand(data, scale, inv) if rowmajor else None), (Operand(data_t, scale_t, inv_t) if transposed else None)
 
 
@@ -136,45 +138,77 @@ def rounded(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None else t.to(dtype)
 
 
-def operand(t: torch.Tensor, spec: Cast, backend: str, rounded_to: torch.dtype | None = None) -> Operand:
+def _rounded_amax(amax: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """Amaxes of values as stored, for those values rounded to `dtype`: the amaxes rounded (rounding
+    to nearest keeps the order of magnitudes), in fp32 as the casts read them."""
+    return None if amax is None else rounded(amax, dtype).float()
+
+
+def amax_rows_and_columns(t: torch.Tensor, backend: str) -> torch.Tensor:
+    """(M + K,) fp32: the max |value| of each row of a 2-D (M, K) `t`, then of each column, from one read
+    where the kernels run: what `operand` and `operand_t` take as a per-row cast's `amax`."""
+    if _uses_kernels(t, backend):
+        return _kernels().amax_rows_and_columns(t)
+    if not t.numel():
+        return torch.zeros(sum(t.shape), dtype=torch.float32, device=t.device)
+    magnitude = t.abs()
+    return torch.cat([magnitude.amax(1), magnitude.amax(0)]).float()
+
+
+def operand(t: torch.Tensor, spec: Cast, backend: str, rounded_to: torch.dtype | None = None,
+            amax: torch.Tensor | None = None) -> Operand:
     """A 2-D `t` whose last dim the GEMM sums over, cast for it. With `rounded_to`, the cast of
     `t.to(rounded_to)`: a weight read as stored (fp32) standing for the bf16 copy FSDP would have
-    made; the per-row kernels round as they read, and traced the rounding fuses into the cast (`round_to_bf16`)."""
+    made; the per-row kernels round as they read, and traced the rounding fuses into the cast (`round_to_bf16`).
+    `amax` (per row only): `t`'s `amax_rows_and_columns`, known already (the same amaxes rounded, since
+    rounding to nearest keeps the order): the cast reads `t` once."""
     if _rounds_in_kernel(t, spec, backend, rounded_to, transposed=False):
-        return _kernel_operands(t, spec, rowmajor=True, transposed=False, bf16_first=True)[0]
-    t = rounded(t, rounded_to)
+        return _kernel_operands(t, spec, rowmajor=True, transposed=False, bf16_first=True, amax=amax)[0]
+    t, amax = rounded(t, rounded_to), _rounded_amax(amax, rounded_to)
     if spec.dtype is None:
         return Operand(t)
     if _uses_kernels(t, backend, spec):
-        return _kernel_operands(t, spec, rowmajor=True, transposed=False)[0]
+        return _kernel_operands(t, spec, rowmajor=True, transposed=False, amax=amax)[0]
     fused = backend == "compiled"
     if spec.block is not None:
         return Operand(*cast_blockwise(t, spec.block, spec.dtype, spec.pow2, fused=fused))
     if spec.amax_over is None:
         return Operand(*cast_tensorwise(t, spec.dtype, spec.pow2, fused=fused))
+    if amax is not None:
+        return Operand(*cast_rows_with_amax(t, amax[:t.shape[0]], spec.dtype, spec.pow2, fused=fused))
     return Operand(*cast_rowwise(t, -1, spec.dtype, spec.pow2, fused=fused))
 
 
 def operand_t(t: torch.Tensor, spec: Cast, backend: str, rounded_to: torch.dtype | None = None,
-              after: torch.Tensor | None = None) -> Operand:
-    """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout; `rounded_to` as in
-    `operand`. A weight read as stored is a parameter FSDP does not free, so a compiled graph's
-    partitioner would rather cast it in the forward and keep the 1-byte result than keep it (4 bytes):
-    `after` (the backward's incoming gradient) holds its cast in the backward."""
+              amax: torch.Tensor | None = None) -> Operand:
+    """`t.T` cast for a GEMM that sums over `t`'s dim 0, written in that layout; `rounded_to` and `amax` as in
+    `operand`."""
     if _rounds_in_kernel(t, spec, backend, rounded_to, transposed=True):
-        return _kernel_operands(t, spec, rowmajor=False, transposed=True, bf16_first=True, after=after)[1]
-    t = rounded(t, rounded_to)
+        return _kernel_operands(t, spec, rowmajor=False, transposed=True, bf16_first=True, amax=amax)[1]
+    t, amax = rounded(t, rounded_to), _rounded_amax(amax, rounded_to)
     if spec.dtype is None:
         return Operand(t.t())
     if _uses_kernels(t, backend, spec, transposed=True):
-        return _kernel_operands(t, spec, rowmajor=False, transposed=True)[1]
+        return _kernel_operands(t, spec, rowmajor=False, transposed=True, amax=amax)[1]
     fused = backend == "compiled"
     if spec.block is not None:
         return Operand(*cast_blockwise_t(t, spec.block, spec.dtype, spec.pow2, fused=fused))
     if spec.amax_over is None:
         data, scale = cast_tensorwise(t, spec.dtype, spec.pow2, fused=fused)
         return Operand(data.t().contiguous(), scale)
+    if amax is not None:
+        return Operand(*cast_colwise_t_with_amax(t, amax[t.shape[0]:], spec.dtype, spec.pow2, fused=fused))
     return Operand(*cast_colwise_t(t, spec.dtype, spec.pow2, fused=fused))
+
+
+def stored_weight_operands(t: torch.Tensor, amax: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str,
+                           rounded_to: torch.dtype | None) -> tuple[Operand, Operand]:
+    """A weight read as stored (`t`, standing for `t.to(rounded_to)`) with its `amax_rows_and_columns`, cast for
+    both its GEMMs, per row (`row_cast`) and per column transposed (`t_cast`): where the kernels run, from one
+    read of `t` writing both layouts."""
+    if _rounds_in_kernel(t, row_cast, backend, rounded_to, transposed=True) and _one_kernel_pass(row_cast, t_cast):
+        return _kernel_operands(t, row_cast, rowmajor=True, transposed=True, bf16_first=True, amax=amax)
+    return operand(t, row_cast, backend, rounded_to, amax), operand_t(t, t_cast, backend, rounded_to, amax)
 
 
 def shared(spec: Cast, other: Cast) -> bool:

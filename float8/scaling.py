@@ -122,6 +122,24 @@ def cast_rowwise(
 
 
 @_fused_in_eager
+def cast_rows_with_amax(
+    x: torch.Tensor, amax: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cast_rowwise` of a 2-D (M, K) tensor along its last dim with the rows' amaxes (M,) known."""
+    scale = amax_to_scale(amax[:, None], float8_dtype, pow2)
+    return cast_with_scale(x, scale, float8_dtype), scale
+
+
+@_fused_in_eager
+def cast_colwise_t_with_amax(
+    x: torch.Tensor, amax: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cast_colwise_t` of a 2-D (M, K) tensor with the columns' amaxes (K,) known."""
+    scale = amax_to_scale(amax[:, None], float8_dtype, pow2)
+    return cast_with_scale(x, scale.t(), float8_dtype).t().contiguous(), scale
+
+
+@_fused_in_eager
 def cast_colwise_t(
     x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

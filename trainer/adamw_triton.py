@@ -18,6 +18,7 @@ tensors under TRITON_INTERPRET=1 (tests).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -33,17 +34,19 @@ NUM_WARPS = 8
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Rows of the address table: weight, gradient, first moment, second moment, step count.
 _ROLES = 5
+# `adamw_rows_columns_kernel`'s programs: TILES_DOWN tiles of TILE_ROWS x TILE_COLS, each of BLOCK elements.
+TILE_ROWS, TILE_COLS, TILES_DOWN = 16, 128, 8
 
 
 @triton.jit
 def _update(
-    p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
+    p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
     weight_decay, HAS_SCALE: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One block's update, stored; returns the max |weight| bits as the step leaves it. Unmasked for
-    whole blocks: a mask of a length read from memory would keep the loads from vectorizing."""
+    """One block's update, stored; returns the |weight| bits as the step leaves it (int32, in the order of
+    the values; 0 where masked). Unmasked for whole flat blocks: a mask of a length read from memory would
+    keep the loads from vectorizing."""
     if MASKED:
-        mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         p_old = tl.load(p_ptr + offs, mask=mask, other=0.0)
         m_old = tl.load(m_ptr + offs, mask=mask, other=0.0)
@@ -75,7 +78,7 @@ def _update(
         tl.store(p_ptr + offs, p)
         tl.store(m_ptr + offs, m)
         tl.store(v_ptr + offs, v)
-    return tl.max(tl.abs(p.to(tl.float32)).to(tl.int32, bitcast=True), axis=0)
+    return tl.abs(p.to(tl.float32)).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -100,12 +103,60 @@ def adamw_kernel(
     if HAS_INF:
         keep = tl.load(found_inf_ptr) != 0
     if start + BLOCK <= n:
-        amax = _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1,
+        bits = _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1,
                        log2_beta2, eps, weight_decay, HAS_SCALE, False)
     else:
-        amax = _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1,
-                       log2_beta2, eps, weight_decay, HAS_SCALE, True)
-    tl.atomic_max(amax_ptr + i, amax)
+        bits = _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < n, step, grad_scale_ptr, keep, lr, beta1, beta2,
+                       log2_beta1, log2_beta2, eps, weight_decay, HAS_SCALE, True)
+    tl.atomic_max(amax_ptr + i, tl.max(bits, axis=0))
+
+
+@triton.jit
+def adamw_rows_columns_kernel(
+    addr_ptr, block_param_ptr, first_block_ptr, shape_ptr, amax_at_ptr, grad_scale_ptr, found_inf_ptr, amax_ptr, n_params,
+    lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+    S_DTYPE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr,
+    TILES_DOWN: tl.constexpr,
+):
+    """`adamw_kernel`'s update of 2-D (rows, cols) weights, cols a multiple of 16, with each row's and each
+    column's amax as the step leaves them (int32 bits) max-ed into amax_ptr[at:at + rows] and
+    amax_ptr[at + rows:at + rows + cols], at = amax_at[parameter]: program `pid` updates TILES_DOWN tiles of
+    TR x TC down one strip of columns, so a column's partial max takes one atomic per TILES_DOWN tiles."""
+    pid = tl.program_id(0)
+    i = tl.load(block_param_ptr + pid)
+    b = pid - tl.load(first_block_ptr + i)
+    rows = tl.load(shape_ptr + 2 * i)
+    cols = tl.multiple_of(tl.load(shape_ptr + 2 * i + 1), 16)
+    strips = tl.cdiv(cols, TC)
+    rk = (b % strips) * TC + tl.arange(0, TC)
+    first_row = (b // strips) * (TR * TILES_DOWN)
+    p_ptr = tl.multiple_of(tl.load(addr_ptr + i).to(tl.pointer_type(P_DTYPE)), 16)
+    g_ptr = tl.multiple_of(tl.load(addr_ptr + n_params + i).to(tl.pointer_type(G_DTYPE)), 16)
+    m_ptr = tl.multiple_of(tl.load(addr_ptr + 2 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
+    v_ptr = tl.multiple_of(tl.load(addr_ptr + 3 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
+    step = tl.load(tl.load(addr_ptr + 4 * n_params + i).to(tl.pointer_type(tl.float32)))
+    keep = False
+    if HAS_INF:
+        keep = tl.load(found_inf_ptr) != 0
+    row_amax_ptr = amax_ptr + tl.load(amax_at_ptr + i)
+    # Column maxes kept per lane across the tiles, reduced across warps once at the end.
+    col_max = tl.zeros([TR, TC], dtype=tl.int32)
+    if (first_row + TR * TILES_DOWN <= rows) & ((b % strips + 1) * TC <= cols):
+        for t in range(TILES_DOWN):
+            rm = first_row + t * TR + tl.arange(0, TR)
+            bits = _update(p_ptr, g_ptr, m_ptr, v_ptr, rm.to(tl.int64)[:, None] * cols + rk[None, :], None, step,
+                           grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, HAS_SCALE, False)
+            tl.atomic_max(row_amax_ptr + rm, tl.max(bits, axis=1))
+            col_max = tl.maximum(col_max, bits)
+    else:
+        for t in range(TILES_DOWN):
+            rm = first_row + t * TR + tl.arange(0, TR)
+            bits = _update(p_ptr, g_ptr, m_ptr, v_ptr, rm.to(tl.int64)[:, None] * cols + rk[None, :],
+                           (rm[:, None] < rows) & (rk[None, :] < cols), step, grad_scale_ptr, keep, lr, beta1, beta2,
+                           log2_beta1, log2_beta2, eps, weight_decay, HAS_SCALE, True)
+            tl.atomic_max(row_amax_ptr + rm, tl.max(bits, axis=1), mask=rm < rows)
+            col_max = tl.maximum(col_max, bits)
+    tl.atomic_max(row_amax_ptr + rows + rk, tl.max(col_max, axis=0), mask=rk < cols)
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:
@@ -126,12 +177,27 @@ def _memory(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def block_tables(numels: tuple[int, ...], device: torch.device, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(parameter of each program, first program of each parameter, numels): what the sizes fix."""
-    counts = torch.tensor([triton.cdiv(n, block) for n in numels], dtype=torch.int64)
-    first = torch.cumsum(counts, 0) - counts
-    block_param = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-    return block_param.to(device), first.to(torch.int32).to(device), torch.tensor(numels, dtype=torch.int64).to(device)
+def block_tables(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parameter of each program, first program of each parameter) for `counts` programs a parameter."""
+    programs = torch.tensor(counts, dtype=torch.int64)
+    first = torch.cumsum(programs, 0) - programs
+    block_param = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), programs)
+    return block_param.to(device), first.to(torch.int32).to(device)
+
+
+def flat_programs(numel: int, block: int = BLOCK) -> int:
+    return triton.cdiv(numel, block)
+
+
+def rows_columns_programs(shape: tuple[int, int]) -> int:
+    return triton.cdiv(shape[0], TILE_ROWS * TILES_DOWN) * triton.cdiv(shape[1], TILE_COLS)
+
+
+def _wants_rows_and_columns(p: torch.Tensor, memory: torch.Tensor) -> bool:
+    """Whether `p` asks for its rows' and columns' amaxes (`wants_row_and_column_amaxes`, float8's weights
+    read as stored) and the 2-D kernel takes it: 2-D, columns a multiple of 16 (its loads' alignment)."""
+    local = p._local_tensor if isinstance(p, DTensor) else p
+    return getattr(local, "wants_row_and_column_amaxes", False) and memory.ndim == 2 and memory.shape[1] % 16 == 0
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -139,16 +205,19 @@ class TritonAdamW(torch.optim.AdamW):
 
     Constructed as torch's fused AdamW, so its state dict is that optimizer's, loadable by either;
     `grad_scale` and `found_inf` are taken from the optimizer's attributes as the fused one takes them.
-    `weight_amaxes()`: each parameter's amax after the last step, from the step's own pass.
+    `weight_amaxes()`: each parameter's amax after the last step, from the step's own pass; of a 2-D one
+    whose (local) tensor has `wants_row_and_column_amaxes` (float8's weights read as stored), its rows'
+    and columns' amaxes instead (`adamw_rows_columns_kernel`).
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float = 0.01) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         self._amaxes: dict[torch.Tensor, torch.Tensor] = {}
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 
     def weight_amaxes(self) -> dict[torch.Tensor, torch.Tensor]:
-        """Parameter -> its max |value| after the last step (0-dim fp32; 0 for an empty shard)."""
+        """Parameter -> its max |value| after the last step (0-dim fp32; 0 for an empty shard), or that of each
+        of its rows, then of each of its columns ((rows + columns,) fp32) where it wants those."""
         return self._amaxes
 
     @torch.no_grad()
@@ -174,10 +243,8 @@ class TritonAdamW(torch.optim.AdamW):
         # one: `_foreach_add_` reads a single tensor operand on the host, which waits for the device.
         torch._foreach_add_(steps, 1.0 if found_inf is None else [1.0 - found_inf] * len(steps))
         device = steps[0].device
-        amax_bits = torch.zeros(len(params), dtype=torch.int32, device=device)
-        self._amaxes.update(zip(params, amax_bits.view(torch.float32).unbind()))
-        # One launch per combination of dtypes (the kernel's pointers are typed); empty shards need none.
-        launches: dict[tuple[torch.dtype, ...], list[int]] = {}
+        # One launch per kernel and combination of dtypes (the kernels' pointers are typed); empty shards need none.
+        launches: dict[tuple, list[int]] = {}
         memories = []
         for i, p in enumerate(params):
             state = self.state[p]
@@ -188,23 +255,54 @@ class TritonAdamW(torch.optim.AdamW):
                 raise ValueError(f"TritonAdamW needs both moments in one dtype, got {tensors[2].dtype} and {tensors[3].dtype}")
             memories.append(tensors)
             if tensors[0].numel():
-                launches.setdefault(tuple(t.dtype for t in tensors[:3]), []).append(i)
-        beta1, beta2 = group["betas"]
-        for (p_dtype, g_dtype, s_dtype), members in launches.items():
-            numels = tuple(memories[i][0].numel() for i in members)
-            key = (numels, device)
-            if key not in self._tables:
-                self._tables[key] = block_tables(numels, device)
-            block_param, first_block, numel = self._tables[key]
+                key = (_wants_rows_and_columns(p, tensors[0]), *(t.dtype for t in tensors[:3]))
+                launches.setdefault(key, []).append(i)
+        flat = [i for (rows_columns, *_), members in launches.items() if not rows_columns for i in members]
+        flat_bits = torch.zeros(len(flat), dtype=torch.int32, device=device)
+        self._amaxes.update(zip((params[i] for i in flat), flat_bits.view(torch.float32).unbind()))
+        # An empty shard's amax: 0.
+        self._amaxes.update((p, torch.zeros((), device=device)) for p, m in zip(params, memories) if not m[0].numel())
+        for (rows_columns, *dtypes), members in launches.items():
+            shapes = tuple(tuple(memories[i][0].shape) for i in members)
             addresses = [memories[i][role].data_ptr() for role in range(_ROLES) for i in members]
             # Pinned and asynchronous: the copy queues behind the backward instead of waiting for it.
             table = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
-            amax = amax_bits if len(members) == len(params) else torch.zeros(len(members), dtype=torch.int32, device=device)
-            adamw_kernel[(block_param.numel(),)](
-                table, block_param, first_block, numel, grad_scale, found_inf, amax, len(members), group["lr"], beta1,
-                beta2, math.log2(beta1), math.log2(beta2), group["eps"], group["weight_decay"],
-                P_DTYPE=_TRITON_DTYPES[p_dtype], G_DTYPE=_TRITON_DTYPES[g_dtype], S_DTYPE=_TRITON_DTYPES[s_dtype],
-                HAS_SCALE=grad_scale is not None, HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=NUM_WARPS,
-            )
-            if amax is not amax_bits:
-                amax_bits[members] = amax
+            block_param, first_block, sizes, amax_at = self._tables_for(rows_columns, shapes, device)
+            args = (grad_scale, found_inf)
+            hyper = (len(members), group["lr"], *group["betas"], *map(math.log2, group["betas"]), group["eps"],
+                     group["weight_decay"])
+            constants = {"P_DTYPE": _TRITON_DTYPES[dtypes[0]], "G_DTYPE": _TRITON_DTYPES[dtypes[1]],
+                         "S_DTYPE": _TRITON_DTYPES[dtypes[2]], "HAS_SCALE": grad_scale is not None,
+                         "HAS_INF": found_inf is not None, "num_warps": NUM_WARPS}
+            if rows_columns:
+                lengths = [sum(shape) for shape in shapes]
+                bits = torch.zeros(sum(lengths), dtype=torch.int32, device=device)
+                adamw_rows_columns_kernel[(block_param.numel(),)](
+                    table, block_param, first_block, sizes, amax_at, *args, bits, *hyper, TR=TILE_ROWS, TC=TILE_COLS,
+                    TILES_DOWN=TILES_DOWN, **constants)
+                self._amaxes.update(zip((params[i] for i in members), bits.view(torch.float32).split(lengths)))
+            else:
+                bits = flat_bits if len(members) == len(flat) else torch.zeros(len(members), dtype=torch.int32, device=device)
+                adamw_kernel[(block_param.numel(),)](table, block_param, first_block, sizes, *args, bits, *hyper,
+                                                     BLOCK=BLOCK, **constants)
+                if bits is not flat_bits:
+                    flat_bits[[flat.index(i) for i in members]] = bits
+
+    def _tables_for(self, rows_columns: bool, shapes: tuple[tuple[int, ...], ...], device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(program -> parameter, parameter -> first program, numels or (rows, columns) pairs, and for the
+        latter where each parameter's amaxes start): what the sizes fix, built once (a copy to the device
+        each step would wait for it)."""
+        key = (rows_columns, shapes, device)
+        if key not in self._tables:
+            amax_at = None
+            if rows_columns:
+                counts = tuple(rows_columns_programs(shape) for shape in shapes)
+                sizes = torch.tensor([n for shape in shapes for n in shape], dtype=torch.int64)
+                starts = [0, *itertools.accumulate(sum(shape) for shape in shapes)][:-1]
+                amax_at = torch.tensor(starts, dtype=torch.int64).to(device)
+            else:
+                counts = tuple(flat_programs(math.prod(shape)) for shape in shapes)
+                sizes = torch.tensor([math.prod(shape) for shape in shapes], dtype=torch.int64)
+            self._tables[key] = (*block_tables(counts, device), sizes.to(device), amax_at)
+        return self._tables[key]

@@ -39,16 +39,31 @@ def _abs_bits(x):
 
 
 @triton.jit
+def _bf16_rounded_bits(bits):
+    """fp32 bits rounded to the nearest bf16, ties to even, as torch's .to does; NaN kept. In integer
+    bits, since Triton's interpreter truncates in `.to(tl.bfloat16)`."""
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, bits, (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536)
+
+
+@triton.jit
 def _load(ptr, mask, BF16_FIRST: tl.constexpr):
-    """x as fp32; with BF16_FIRST (fp32 x) rounded to bf16 first, to nearest even as torch's .to does:
-    a weight read as stored cast as the bf16 copy FSDP would have made of it. In integer bits, since
-    Triton's interpreter truncates in `.to(tl.bfloat16)`; a NaN stays NaN."""
+    """x as fp32; with BF16_FIRST (fp32 x) rounded to bf16 first: a weight read as stored cast as the
+    bf16 copy FSDP would have made of it."""
     x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
     if BF16_FIRST:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+        x = _bf16_rounded_bits(x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
     return x
+
+
+@triton.jit
+def _load_amax(ptr, mask, BF16_FIRST: tl.constexpr):
+    """Amax bits; with BF16_FIRST rounded to bf16 as the values they bound are: rounding to nearest is
+    monotonic, so the amax of the rounded values is the rounded amax (and rounding twice is rounding once)."""
+    bits = tl.load(ptr, mask=mask, other=0)
+    if BF16_FIRST:
+        bits = _bf16_rounded_bits(bits)
+    return bits
 
 
 @triton.jit
@@ -89,13 +104,12 @@ def _padded4(n):
 
 
 @triton.jit
-def _amax_2d_kernel(x_ptr, amax_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr, BF16_FIRST: tl.constexpr,
-                    BM: tl.constexpr, BK: tl.constexpr):
+def _amax_2d_kernel(x_ptr, amax_ptr, M, K, ROWS: tl.constexpr, COLS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Per-row amaxes into amax[0:M], per-column into amax[M:M + K]."""
     rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     rk = tl.program_id(1).to(tl.int64) * BK + tl.arange(0, BK)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    bits = _abs_bits(_load(x_ptr + rm[:, None] * K + rk[None, :], mask, BF16_FIRST))
+    bits = _abs_bits(tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=mask, other=0.0))
     if ROWS:
         tl.atomic_max(amax_ptr + rm, tl.max(bits, axis=1), mask=rm < M)
     if COLS:
@@ -121,13 +135,13 @@ def _cast_kernel(
     if ROWWISE:
         pm = _padded4(M)
         if WRITE:
-            row_scale = _scale(tl.load(amax_ptr + rm, mask=rm < M, other=0), FMAX, POW2, EXACT)
+            row_scale = _scale(_load_amax(amax_ptr + rm, rm < M, BF16_FIRST), FMAX, POW2, EXACT)
             tl.store(out_ptr + rm[:, None] * K + rk[None, :], _to_float8(x, row_scale[:, None], FMAX, DTYPE), mask=mask)
             if pid_k == 0:
                 tl.store(scales_ptr + rm, row_scale, mask=rm < M)
                 tl.store(scales_ptr + pm + rm, tl.math.div_rn(1.0, row_scale), mask=rm < M)
         if WRITE_T:
-            col_scale = _scale(tl.load(amax_ptr + M + rk, mask=rk < K, other=0), FMAX, POW2, EXACT)
+            col_scale = _scale(_load_amax(amax_ptr + M + rk, rk < K, BF16_FIRST), FMAX, POW2, EXACT)
             y = tl.trans(_to_float8(x, col_scale[None, :], FMAX, DTYPE))
             tl.store(out_t_ptr + rk[:, None] * M + rm[None, :], y, mask=tl.trans(mask))
             if pid_m == 0:
@@ -247,15 +261,29 @@ def _rows_parts(out: list[torch.Tensor], m: int, k: int, rowmajor: bool, transpo
     return [data, data_t, *_aligned_views(out[-1], [m, m, k, k])]
 
 
+def amax_rows_and_columns(x: torch.Tensor) -> torch.Tensor:
+    """(M + K,) fp32: the max |value| of each row of a 2-D (M, K) `x`, then of each column, from one read:
+    what `cast_rowwise_layouts` takes as `amax`."""
+    m, k = _check_2d(x)
+    amax = torch.zeros(m + k, dtype=torch.int32, device=x.device)
+    if x.numel():
+        _amax_2d_kernel[_grid(m, k)](x, amax, m, k, ROWS=True, COLS=True, BM=BLOCK_M, BK=BLOCK_K)
+    return amax.view(torch.float32)
+
+
 def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor: bool, transposed: bool,
-               bf16_first: bool, after: torch.Tensor | None) -> list[torch.Tensor]:
+               bf16_first: bool, amax: torch.Tensor | None) -> list[torch.Tensor]:
     out = _rows_outputs(x, float8_dtype, rowmajor, transposed)
     m, k = x.shape
     if not x.numel():
         return out
-    # One buffer of amaxes and one of scales, indexed in the kernels: views cost host time a call.
-    amax, grid = torch.zeros(m + k, dtype=torch.int32, device=x.device), _grid(m, k)
-    _amax_2d_kernel[grid](x, amax, m, k, ROWS=rowmajor, COLS=transposed, BF16_FIRST=bf16_first, BM=BLOCK_M, BK=BLOCK_K)
+    grid = _grid(m, k)
+    if amax is None:
+        # One buffer of amaxes and one of scales, indexed in the kernels: views cost host time a call.
+        amax = torch.zeros(m + k, dtype=torch.int32, device=x.device)
+        _amax_2d_kernel[grid](x, amax, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
+    else:
+        amax = amax.view(torch.int32)
     _cast_kernel[grid](
         x, out[0] if rowmajor else None, out[int(rowmajor)] if transposed else None, amax, out[-1], m, k,
         ROWWISE=True, SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed,
@@ -269,25 +297,24 @@ def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor:
 # write both layouts (docs/benchmarks.md, "Rowwise casts as the kernels' op"). Its fake allocates.
 _cast_rows_op = define_op(
     "cast_rows", _cast_rows,
-    lambda x, float8_dtype, pow2, rowmajor, transposed, bf16_first, after: _rows_outputs(x, float8_dtype, rowmajor, transposed),
+    lambda x, float8_dtype, pow2, rowmajor, transposed, bf16_first, amax: _rows_outputs(x, float8_dtype, rowmajor, transposed),
 )
 
 
 def cast_rowwise_layouts(
     x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True, *, rowmajor: bool = True, transposed: bool = False,
-    bf16_first: bool = False, after: torch.Tensor | None = None,
+    bf16_first: bool = False, amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
            torch.Tensor | None, torch.Tensor | None]:
     """x cast with one scale per row (amax over K) row-major and/or one per column (amax over M)
     transposed: (data, data_t, row scales (M, 1), their inverses, column scales (K, 1), their
     inverses), None for a layout not asked for; with `bf16_first`, the cast of `x.to(torch.bfloat16)`,
-    read from `x` itself (no bf16 copy). Inside torch.compile, one op; `after`, a tensor it does not
-    read, orders it after that tensor's producer (a backward's cast of a weight after the incoming
-    gradient: else the partitioner may cast in the forward and keep the bytes until the backward)."""
+    read from `x` itself (no bf16 copy). Inside torch.compile, one op. `amax`: `x`'s amaxes already known, as `amax_rows_and_columns` gives them (of `x` as stored, rounded
+    here with `bf16_first`): one read of `x` instead of two."""
     m, k = _check_2d(x)
     # Outside a compile the kernels are called straight, without the op's dispatch (~7 us of host time a call).
     out = (_cast_rows_op if torch.compiler.is_compiling() else _cast_rows)(x, float8_dtype, pow2, rowmajor, transposed,
-                                                                           bf16_first, after)
+                                                                           bf16_first, amax)
     data, data_t, *scales = _rows_parts(out, m, k, rowmajor, transposed)
     row_scale, row_inv, col_scale, col_inv = (t[:, None] for t in scales)
     if not rowmajor:

@@ -298,10 +298,9 @@ for (dtype, name, fmax), (rowwise, given), pow2, layouts, (x, bf16_first) in all
             {"ROWWISE": rowwise, "SCALE_GIVEN": given, "WRITE": layouts[0], "WRITE_T": layouts[1], "DTYPE": dtype,
              "FMAX": fmax, "POW2": pow2, "EXACT": True, "BF16_FIRST": bf16_first, **tile})
 compile(kernels._amax_flat_kernel, {"x_ptr": "*bf16", "amax_ptr": "*i32", "n": "i32"}, {"BLOCK": kernels.AMAX_BLOCK})
-for rows, cols, x, bf16_first in [(True, False, "bf16", False), (False, True, "bf16", False), (True, True, "bf16", False),
-                                  (False, True, "fp32", True)]:
+for rows, cols, x in [(True, False, "bf16"), (False, True, "bf16"), (True, True, "bf16"), (True, True, "fp32")]:
     compile(kernels._amax_2d_kernel, {"x_ptr": f"*{x}", "amax_ptr": "*i32", "M": "i32", "K": "i32"},
-            {"ROWS": rows, "COLS": cols, "BF16_FIRST": bf16_first, **tile})
+            {"ROWS": rows, "COLS": cols, **tile})
 compile(kernels._transpose_kernel, {"x_ptr": "*u8", "out_ptr": "*u8", "M": "i32", "K": "i32"}, tile)
 print("compiled")
 '''
@@ -319,24 +318,31 @@ def test_rowwise_kernels_read_fp32_as_its_bf16_copy(shape):
     x = torch.randn(shape)
     # A value that bf16 rounds onto an e4m3 tie (1 + 1/16 + 2^-10 -> 1.0625): cast from fp32 it rounds up instead.
     x[::3, ::5] = 1.0625 + 2.0**-10
-    x[0, 0] = 1.07  # every row's and column's amax the same in both, so only the rounding differs
+    # A row's and a column's amax that bf16 rounds down onto 1.75, where the power-of-two scale 448 / amax
+    # steps: the amaxes of x as stored, given, must be rounded as the values are.
+    x[1], x[:, 2] = 0.01 * x[1], 0.01 * x[:, 2]
+    x[1, 3] = x[4, 2] = 1.75 + 2.0**-12
+    amax = kernels.amax_rows_and_columns(x)
+    assert torch.equal(amax, torch.cat([x.abs().amax(1), x.abs().amax(0)]))
     for rowmajor, transposed in ((True, False), (False, True), (True, True)):
         layouts = {"rowmajor": rowmajor, "transposed": transposed}
         copy_cast = kernels.cast_rowwise_layouts(x.to(torch.bfloat16), E4M3, True, **layouts)
         read_cast = kernels.cast_rowwise_layouts(x, E4M3, True, bf16_first=True, **layouts)
+        read_with_amax = kernels.cast_rowwise_layouts(x, E4M3, True, bf16_first=True, amax=amax, **layouts)
         fp32_cast = kernels.cast_rowwise_layouts(x, E4M3, True, **layouts)
-        for copy_part, read_part, fp32_part in zip(copy_cast, read_cast, fp32_cast):
-            assert (copy_part is None) == (read_part is None)
+        for copy_part, read_part, amax_part, fp32_part in zip(copy_cast, read_cast, read_with_amax, fp32_cast):
+            assert (copy_part is None) == (read_part is None) == (amax_part is None)
             if copy_part is not None and copy_part.dtype == E4M3:
                 assert torch.equal(_bytes(read_part), _bytes(copy_part))
+                assert torch.equal(_bytes(amax_part), _bytes(copy_part))
                 assert not torch.equal(_bytes(fp32_part), _bytes(copy_part))
             elif copy_part is not None:
-                assert torch.equal(read_part, copy_part)
+                assert torch.equal(read_part, copy_part) and torch.equal(amax_part, copy_part)
 
 
-def test_weight_read_as_stored_is_cast_for_the_backward_in_the_backward():
-    # A weight read as stored is, to the partitioner, a 4-byte input to keep: unless ordered after the
-    # gradient it casts it for grad_input in the forward and keeps those bytes for every layer until the backward.
+def test_weight_read_as_stored_is_cast_for_both_gemms_in_one_forward_op():
+    # With its amaxes known, a weight read as stored is cast per row and per column transposed by one op in
+    # the forward (one read of the fp32 weight); the backward casts only the gradient.
     import functools
 
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
@@ -345,18 +351,21 @@ def test_weight_read_as_stored_is_cast_for_the_backward_in_the_backward():
     from float8.gathered import StoredWeight
     from float8.linear import float8_mm
 
-    forward_casts = []
+    casts = {}
 
-    def forward_compiler(gm, _inputs):
-        forward_casts.append(sum(n.target is torch.ops.float8_training.cast_rows.default for n in gm.graph.nodes))
-        return make_boxed_func(gm.forward)
+    def counting(name):
+        def compiler(gm, _inputs):
+            casts[name] = sum(n.target is torch.ops.float8_training.cast_rows.default for n in gm.graph.nodes)
+            return make_boxed_func(gm.forward)
+        return compiler
 
-    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _inputs: make_boxed_func(gm.forward),
+    backend = aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward"),
                            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
     config = Float8Config(scaling="rowwise", eager_casts="triton")
     mm = torch.compile(lambda x, w: float8_mm(x, w, config), backend=backend, fullgraph=True)
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
-    w = StoredWeight(torch.randn(48, 64), torch.bfloat16).requires_grad_()
+    w32 = torch.randn(48, 64)
+    w = StoredWeight(w32, torch.bfloat16, kernels.amax_rows_and_columns(w32)).requires_grad_()
     mm(x, w).sum().backward()
-    # x's cast in both layouts is the forward's one op; the weight's backward cast is not there.
-    assert forward_casts == [1]
+    # x's and the weight's casts (both layouts each) in the forward, the gradient's in the backward.
+    assert casts == {"forward": 2, "backward": 1}

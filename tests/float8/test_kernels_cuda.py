@@ -134,6 +134,7 @@ def test_weight_read_as_stored_is_its_bf16_copy_bitwise(scaling):
     # The one-GPU unshard hands rowwise linears the fp32 shard (float8/fsdp.py, as_stored): eager (the
     # kernels round as they read) and compiled (inductor's rounding, the op's in-kernel one), the copy's bytes.
     from float8.gathered import StoredWeight
+    from float8.operands import amax_rows_and_columns
 
     torch.manual_seed(0)
     w32 = torch.randn(11008, 4096, device="cuda") * 0.02
@@ -147,5 +148,6 @@ def test_weight_read_as_stored_is_its_bf16_copy_bitwise(scaling):
         return linear_step(torch.compile(linear, fullgraph=True) if compiled else linear, x, g)
 
     for compiled in (False, True):
-        copy_, read = step(w32.to(torch.bfloat16), compiled), step(StoredWeight(w32, torch.bfloat16), compiled)
+        stored = StoredWeight(w32, torch.bfloat16, amax_rows_and_columns(w32, "triton"))
+        copy_, read = step(w32.to(torch.bfloat16), compiled), step(stored, compiled)
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(copy_, read)), compiled

@@ -349,13 +349,21 @@ def test_fsdp_pre_all_gather_pads_uneven_shards_and_round_trips():
 def test_weight_read_as_stored_casts_like_its_bf16_copy(scaling):
     from float8.gathered import StoredWeight
     from float8.linear import float8_mm
+    from float8.operands import amax_rows_and_columns
 
     config = Float8Config(scaling=scaling, emulate=cpu_float8_emulated(scaling))
     w32 = torch.randn(48, 64)
+    # Row 5's and column 9's amaxes bf16 rounds down onto 1.75, where the power-of-two scale 448 / amax
+    # steps: from the fp32 amaxes the scales would be half the copy's, and their other values, which
+    # float8 holds at the copy's scale but only as subnormals at half of it, would lose bits. The
+    # products read those values alone (x and g zero where they meet the amaxes).
+    w32[5], w32[:, 9] = 1.125 * 2.0**-14, 1.125 * 2.0**-14
+    w32[5, 3] = w32[7, 9] = 1.75 + 2.0**-12
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     g = torch.randn(32, 48, dtype=torch.bfloat16)
+    x[:, 3], g[:, 7] = 0, 0
     results = []
-    for weight in (w32.to(torch.bfloat16), StoredWeight(w32, torch.bfloat16)):
+    for weight in (w32.to(torch.bfloat16), StoredWeight(w32, torch.bfloat16, amax_rows_and_columns(w32, "plain"))):
         w, xi = nn.Parameter(weight), x.clone().requires_grad_()
         out = float8_mm(xi, w, config)
         out.backward(g)
@@ -375,9 +383,16 @@ def test_weight_unsharded_as_stored_at_one_rank_only():
     w = torch.randn(8, 16)
     shard = Float8TrainingWeight(w, as_stored=True)
     assert shard.fsdp_all_gather_input_is_kept
-    (data,), _ = shard.fsdp_pre_all_gather(SimpleNamespace(ndim=1, size=lambda: 1))
+    one_rank = SimpleNamespace(ndim=1, size=lambda: 1)
+    (data,), metadata = shard.fsdp_pre_all_gather(one_rank)
     assert data is w
-    unsharded, _ = shard.fsdp_post_all_gather((data,), None, torch.bfloat16)
+    # The rows' and columns' amaxes ride along: read at the unshard, or those set after the optimizer step.
+    assert torch.equal(metadata[0], torch.cat([w.abs().amax(1), w.abs().amax(0)]))
+    shard._amax = known = torch.ones(24)
+    _, metadata = shard.fsdp_pre_all_gather(one_rank)
+    assert metadata[0] is known
+    unsharded, _ = shard.fsdp_post_all_gather((data,), metadata, torch.bfloat16)
     assert isinstance(unsharded, StoredWeight) and unsharded.dtype == torch.bfloat16 and unsharded._data is w
+    assert unsharded._amax is known
     with pytest.raises(ValueError, match="one rank, got 2"):
         shard.fsdp_pre_all_gather(SimpleNamespace(ndim=1, size=lambda: 2))

@@ -111,6 +111,29 @@ def test_triton_adamw_is_torchs_adamw_with_the_fused_guard(wrapper):
     assert float(tri_opt.state[tri[0]]["step"]) == 3
 
 
+def test_weights_read_as_stored_get_their_rows_and_columns_amaxes():
+    # float8's weights read as stored want each row's and column's amax from the step (for their two casts):
+    # the 2-D kernel, its edge tiles masked (300 rows: 3 strips of 128, 144 columns: a strip of 16 after 128);
+    # one whose columns are not a multiple of 16 takes the flat kernel and its one amax.
+    shapes = [(300, 144), (30, 7), (64,)]
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    ref = [p.clone().requires_grad_() for p in start]
+    tri = [(Float8TrainingWeight(p.clone(), as_stored=True) if p.ndim == 2 else p.clone()).requires_grad_() for p in start]
+    ref_opt, tri_opt = torch.optim.AdamW(_groups(ref), foreach=False, **HYPER), TritonAdamW(_groups(tri), **HYPER)
+    for step in range(3):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        _step(ref_opt, ref, [g / 2 for g in grads])
+        # The last step skipped (found_inf): the amaxes are those of the weights it left as they were.
+        _step(tri_opt, tri, grads, grad_scale=torch.tensor(2.0), found_inf=torch.tensor(float(step == 2)))
+        if step < 2:
+            _assert_close(ref, tri)
+        amaxes = tri_opt.weight_amaxes()
+        w = tri[0].detach().abs()
+        assert torch.equal(amaxes[tri[0]], torch.cat([w.amax(1), w.amax(0)]))
+        assert all(torch.equal(amaxes[p], p.detach().abs().max()) for p in tri[1:])
+
+
 def test_a_guarded_step_reads_nothing_on_the_host():
     # A read of a device value on the host waits for the device: the trainer's step would drain the
     # GPU's queue there (it did: `_foreach_add_` with one tensor operand reads it, twice a step).
@@ -145,7 +168,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from trainer.adamw_triton import BLOCK, adamw_kernel
+from trainer.adamw_triton import BLOCK, TILE_COLS, TILE_ROWS, TILES_DOWN, adamw_kernel, adamw_rows_columns_kernel
 
 scalars = ["lr", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps", "weight_decay"]
 for (has_scale, has_inf), (p, g) in itertools.product([(False, False), (True, True)], [(tl.float32, tl.float32), (tl.bfloat16, tl.bfloat16)]):
@@ -156,6 +179,14 @@ for (has_scale, has_inf), (p, g) in itertools.product([(False, False), (True, Tr
     constexprs = {"P_DTYPE": p, "G_DTYPE": g, "S_DTYPE": p, "HAS_SCALE": has_scale, "HAS_INF": has_inf, "BLOCK": BLOCK,
                   **({} if has_scale else {"grad_scale_ptr": None}), **({} if has_inf else {"found_inf_ptr": None})}
     triton.compile(triton.compiler.ASTSource(fn=adamw_kernel, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", 90, 32))
+    del signature["numel_ptr"], signature["BLOCK"], constexprs["BLOCK"]
+    signature = {"addr_ptr": "*i64", "block_param_ptr": "*i32", "first_block_ptr": "*i32", "shape_ptr": "*i64",
+                 "amax_at_ptr": "*i64", **{k: v for k, v in signature.items() if k not in ("addr_ptr", "block_param_ptr",
+                                                                                            "first_block_ptr")},
+                 "TR": "constexpr", "TC": "constexpr", "TILES_DOWN": "constexpr"}
+    constexprs.update(TR=TILE_ROWS, TC=TILE_COLS, TILES_DOWN=TILES_DOWN)
+    triton.compile(triton.compiler.ASTSource(fn=adamw_rows_columns_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", 90, 32))
 print("compiled")
 '''

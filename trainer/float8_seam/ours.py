@@ -175,8 +175,9 @@ class OursFloat8Training(Float8Rules):
     def post_optimizer_step(self, model: nn.Module, weight_amaxes: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         """After each optimizer step: the float8 all-gather's weight scales, in one all-reduce, and
         with `float8.cast_weights_once` the float8 weight shards its all-gathers hand on;
-        `weight_amaxes` (by parameter, from the optimizer's step) spare their amax pass."""
-        if self.config.fsdp_float8_all_gather:
+        `weight_amaxes` (by parameter, from the optimizer's step) spare their amax pass. Weights
+        unsharded as stored (rowwise on the one-GPU fast path): their rows' and columns' amaxes."""
+        if self.config.fsdp_float8_all_gather or self.config.fsdp_unshard_as_stored:
             precompute_float8_scales_for_fsdp(model, cast_weights=self.f8.cast_weights_once, amaxes=weight_amaxes)
 
     def arm_health(self, model: nn.Module, step: int, device: torch.device) -> None:

@@ -26,7 +26,7 @@ def kernels(device: torch.device) -> tuple[list[tuple[str, Callable[[], object]]
     """(name, one update) per kernel, all over one set of weights, gradients and moments; and the weights."""
     import triton.language as tl
 
-    from trainer.adamw_triton import adamw_kernel, block_tables
+    from trainer.adamw_triton import adamw_kernel, block_tables, flat_programs
 
     params, grads = ([torch.randn(s, device=device) for s in SHAPES] for _ in range(2))
     exp_avg, exp_avg_sq = ([torch.zeros(s, device=device) for s in SHAPES] for _ in range(2))
@@ -39,7 +39,8 @@ def kernels(device: torch.device) -> tuple[list[tuple[str, Callable[[], object]]
     amax = torch.zeros(len(SHAPES), dtype=torch.int32, device=device)
     h = HYPER
     for block in BLOCKS:
-        block_param, first, numel = block_tables(tuple(p.numel() for p in params), device, block)
+        block_param, first = block_tables(tuple(flat_programs(p.numel(), block) for p in params), device)
+        numel = torch.tensor([p.numel() for p in params], device=device)
         for warps in WARPS:
             out.append((f"AdamW triton {block} x {warps} warps", lambda bp=block_param, f=first, n=numel, b=block, w=warps: adamw_kernel[(bp.numel(),)](
                 addresses, bp, f, n, grad_scale, found_inf, amax, len(SHAPES), h["lr"], h["beta1"], h["beta2"],

@@ -1,6 +1,7 @@
 """FSDP2 at one rank with the single-rank unshard: FSDP's own results bitwise, and kept float8
 shards used in place (no copy, never freed by FSDP's reshard); rowwise weights read as stored
-(fp32, no copy) give the bf16 copy's results bitwise."""
+(fp32, no copy), their amaxes read at each unshard or once after the optimizer step, give the bf16
+copy's results bitwise."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _kept_shard(layer: nn.Module) -> torch.Tensor | None:
     return local._tensor if getattr(local, "_as_stored", False) else getattr(local, "_float8_shard", None)
 
 
-def _train(float8: bool | str, single: bool, cast_weights: list[bool]) -> dict:
+def _train(float8: bool | str, single: bool, cast_weights: list[bool], triton_adamw: bool = False) -> dict:
     from float8 import precompute_float8_scales_for_fsdp
     from float8.fsdp import plain_weight
 
@@ -76,7 +77,13 @@ def _train(float8: bool | str, single: bool, cast_weights: list[bool]) -> dict:
 
     for layer in linears:
         layer.register_forward_pre_hook(record_aliasing)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if triton_adamw:
+        from trainer.adamw_triton import TritonAdamW
+
+        opt = TritonAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amax_from_optimizer = []
     gen = torch.Generator().manual_seed(1)
     losses, grads, kept_ptrs = [], [], []
     x, target = torch.randn(16, 64, generator=gen), 0.1 * torch.randn(16, 32, generator=gen)
@@ -91,8 +98,23 @@ def _train(float8: bool | str, single: bool, cast_weights: list[bool]) -> dict:
         if float8 is True:
             precompute_float8_scales_for_fsdp(model, cast_weights=cast_weights[step])
             kept_ptrs.append([k.data_ptr() if (k := _kept_shard(m)) is not None else None for m in linears])
+        elif float8 == "rowwise" and cast_weights[step]:
+            # The weights' rows' and columns' amaxes for the step's casts (else read at each unshard): read
+            # once here, or the Triton AdamW's, found as it wrote the weights.
+            amaxes = opt.weight_amaxes() if triton_adamw else None
+            precompute_float8_scales_for_fsdp(model, amaxes=amaxes)
+            amax_from_optimizer.append([amaxes is not None and getattr(m.weight._local_tensor, "_amax", None) is amaxes[m.weight]
+                                        for m in linears])
     weights = [v for p in model.parameters() for v in plain_weight(p).full_tensor().flatten().tolist()]
-    return {"losses": losses, "grads": grads, "weights": weights, "in_place": in_place, "kept_ptrs": kept_ptrs}
+    return {"losses": losses, "grads": grads, "weights": weights, "in_place": in_place, "kept_ptrs": kept_ptrs,
+            "amax_from_optimizer": amax_from_optimizer}
+
+
+def _triton_interprets() -> bool:
+    """Whether the Triton AdamW runs here: Triton (torch's CUDA builds) and its interpreter on the CPU."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -115,9 +137,14 @@ def _worker(rank: int, port: int, out: str) -> None:
             # kept, then cast at each all-gather, then kept again: FSDP's storage and the kept shard in turn
             ("float8_switching", True, [True, False, True, True]),
             ("rowwise", "rowwise", [False] * STEPS),
+            ("rowwise_amax_after_step", "rowwise", [True] * STEPS),
+            ("rowwise_amax_from_the_optimizer", "rowwise", [True] * STEPS),
         ]:
+            triton_adamw = name.endswith("optimizer")
+            if triton_adamw and not _triton_interprets():
+                continue
             before = waits[0]
-            result[name] = {"fsdp": _train(float8, False, cast), "single": _train(float8, True, cast)}
+            result[name] = {"fsdp": _train(float8, False, cast, triton_adamw), "single": _train(float8, True, cast, triton_adamw)}
             result[name]["waits"] = waits[0] - before
         Path(out).write_text(json.dumps(result))
     finally:
@@ -150,4 +177,7 @@ def test_single_rank_gather_matches_fsdp_and_uses_kept_float8_shards_in_place(tm
     assert switching["in_place"] == [[False] * 3, [True] * 3, [False] * 3, [True] * 3]
     # Rowwise weights read as stored: every unshard is the fp32 shard itself, from the first step on.
     assert result["rowwise"]["single"]["in_place"] == [[True] * 3] * STEPS
+    # Their amaxes, where the Triton AdamW runs, are those it found as it wrote them.
+    if "rowwise_amax_from_the_optimizer" in result:
+        assert result["rowwise_amax_from_the_optimizer"]["single"]["amax_from_optimizer"] == [[True] * 3] * STEPS
 
