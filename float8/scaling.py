@@ -135,8 +135,9 @@ def cast_colwise_t_with_amax(
     x: torch.Tensor, amax: torch.Tensor, float8_dtype: torch.dtype, pow2: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`cast_colwise_t` of a 2-D (M, K) tensor with the columns' amaxes (K,) known."""
-    scale = amax_to_scale(amax[:, None], float8_dtype, pow2)
-    return cast_with_scale(x, scale.t(), float8_dtype).t().contiguous(), scale
+    # Already fused, or deliberately not: the inner cast must not decide again.
+    data, scale = cast_rows_with_amax(x.t(), amax, float8_dtype, pow2, fused=False)
+    return data.contiguous(), scale
 
 
 @_fused_in_eager

@@ -82,6 +82,22 @@ def _update(
 
 
 @triton.jit
+def _parameter(addr_ptr, i, n_params, found_inf_ptr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+               S_DTYPE: tl.constexpr, HAS_INF: tl.constexpr):
+    """Parameter i's weight, gradient and moment pointers from the address table (16-byte aligned: the
+    caller checks), its step count, and whether the step is skipped (found_inf)."""
+    p_ptr = tl.multiple_of(tl.load(addr_ptr + i).to(tl.pointer_type(P_DTYPE)), 16)
+    g_ptr = tl.multiple_of(tl.load(addr_ptr + n_params + i).to(tl.pointer_type(G_DTYPE)), 16)
+    m_ptr = tl.multiple_of(tl.load(addr_ptr + 2 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
+    v_ptr = tl.multiple_of(tl.load(addr_ptr + 3 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
+    step = tl.load(tl.load(addr_ptr + 4 * n_params + i).to(tl.pointer_type(tl.float32)))
+    keep = False
+    if HAS_INF:
+        keep = tl.load(found_inf_ptr) != 0
+    return p_ptr, g_ptr, m_ptr, v_ptr, step, keep
+
+
+@triton.jit
 def adamw_kernel(
     addr_ptr, block_param_ptr, first_block_ptr, numel_ptr, grad_scale_ptr, found_inf_ptr, amax_ptr, n_params, lr, beta1,
     beta2, log2_beta1, log2_beta2, eps, weight_decay, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
@@ -94,14 +110,8 @@ def adamw_kernel(
     start = (pid - tl.load(first_block_ptr + i)).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     n = tl.load(numel_ptr + i)
-    p_ptr = tl.multiple_of(tl.load(addr_ptr + i).to(tl.pointer_type(P_DTYPE)), 16)
-    g_ptr = tl.multiple_of(tl.load(addr_ptr + n_params + i).to(tl.pointer_type(G_DTYPE)), 16)
-    m_ptr = tl.multiple_of(tl.load(addr_ptr + 2 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
-    v_ptr = tl.multiple_of(tl.load(addr_ptr + 3 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
-    step = tl.load(tl.load(addr_ptr + 4 * n_params + i).to(tl.pointer_type(tl.float32)))
-    keep = False
-    if HAS_INF:
-        keep = tl.load(found_inf_ptr) != 0
+    p_ptr, g_ptr, m_ptr, v_ptr, step, keep = _parameter(addr_ptr, i, n_params, found_inf_ptr, P_DTYPE, G_DTYPE, S_DTYPE,
+                                                        HAS_INF)
     if start + BLOCK <= n:
         bits = _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, step, grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1,
                        log2_beta2, eps, weight_decay, HAS_SCALE, False)
@@ -130,14 +140,8 @@ def adamw_rows_columns_kernel(
     strips = tl.cdiv(cols, TC)
     rk = (b % strips) * TC + tl.arange(0, TC)
     first_row = (b // strips) * (TR * TILES_DOWN)
-    p_ptr = tl.multiple_of(tl.load(addr_ptr + i).to(tl.pointer_type(P_DTYPE)), 16)
-    g_ptr = tl.multiple_of(tl.load(addr_ptr + n_params + i).to(tl.pointer_type(G_DTYPE)), 16)
-    m_ptr = tl.multiple_of(tl.load(addr_ptr + 2 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
-    v_ptr = tl.multiple_of(tl.load(addr_ptr + 3 * n_params + i).to(tl.pointer_type(S_DTYPE)), 16)
-    step = tl.load(tl.load(addr_ptr + 4 * n_params + i).to(tl.pointer_type(tl.float32)))
-    keep = False
-    if HAS_INF:
-        keep = tl.load(found_inf_ptr) != 0
+    p_ptr, g_ptr, m_ptr, v_ptr, step, keep = _parameter(addr_ptr, i, n_params, found_inf_ptr, P_DTYPE, G_DTYPE, S_DTYPE,
+                                                        HAS_INF)
     row_amax_ptr = amax_ptr + tl.load(amax_at_ptr + i)
     # Column maxes kept per lane across the tiles, reduced across warps once at the end.
     col_max = tl.zeros([TR, TC], dtype=tl.int32)
