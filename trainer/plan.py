@@ -102,7 +102,7 @@ class RunPlan:
             gradient_packing=packing, gradient_packing_text=packing_text, precision=precision,
             # Replicas hold the whole of their shard group's state: the weights are split over the shards only.
             memory=estimate_for(cfg, args, device_type, layout.shard, layout.tp, params.dtype, vocab_sharded_logits,
-                                loss_compiled, float8_memory(cfg.float8)),
+                                loss_compiled, float8_memory(cfg.float8, fast_path.on)),
             notes=(*([params.warning] if params.warning else []), *notes(cfg)),
         )
 

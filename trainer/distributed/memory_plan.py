@@ -11,6 +11,10 @@ T = batch x seq / tp tokens per micro-batch (TP's sequence-parallel parts hold 1
                                                                  float8 shards)
     activations = L x T x dim x C[AC mode]                      (C below; AC full: block inputs
                                                                  only, plus one block's full set)
+                + L x block params x 1 / tp                     (rowwise float8 on the one-GPU fast
+                                                                 path: each weight's transposed float8
+                                                                 bytes, kept from its forward to its
+                                                                 backward; AC full: one block's)
                 + T x vocab x (2 + 4 + 4)                       (bf16 logits, their fp32 upcast and
                                                                  the fp32 log-softmax of the eager
                                                                  loss; 2 alone with the loss compiled;
@@ -96,6 +100,9 @@ class Float8Memory:
     linears: bool = False
     # Float8 weight shards kept from one optimizer step to the next (ours, float8.cast_weights_once).
     kept_shards: bool = False
+    # Each float8 weight's transposed bytes kept from its layer's forward to its backward (ours, rowwise
+    # weights read as stored on the one-GPU fast path).
+    weights_for_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,7 @@ def estimate(
     args: LlamaArgs, *, batch_size: int, seq_len: int, ac_mode: str, float8: bool, param_bytes: int = 2,
     dp: int = 1, tp: int = 1, packed: bool = False, device_type: str = "cuda", attention_kernel: str = "sdpa",
     loss_parallel: bool = True, kept_float8_shards: bool = False, loss_compiled: bool = False,
+    float8_weights_for_backward: bool = False,
 ) -> MemoryEstimate:
     """The peak memory per GPU of one micro-batch (the formula in the module docstring)."""
     total_params, block_params = n_params(args)
@@ -137,6 +145,8 @@ def estimate(
         layers = tokens * args.dim * (args.n_layers * FULL_AC_BLOCK_INPUT_BYTES + c_none) * scale
     else:
         layers = args.n_layers * tokens * args.dim * ACTIVATION_BYTES[(ac_mode, float8)] * scale
+    if float8_weights_for_backward:
+        layers += (1 if ac_mode == "full" else args.n_layers) * block_params / max(tp, 1)
     # Without loss parallel every TP rank holds the whole batch's full-vocab logits.
     logit_tokens = tokens if loss_parallel else batch_size * seq_len
     logits = logit_tokens * args.vocab_size * LOGIT_BYTES[loss_compiled]
@@ -165,6 +175,7 @@ def estimate_for(
         float8=float8.linears, param_bytes=param_bytes, dp=dp, tp=tp,
         packed=cfg.data.kind == "sft" and cfg.data.pack, device_type=device_type, attention_kernel=args.attention,
         loss_parallel=vocab_sharded_logits, kept_float8_shards=float8.kept_shards, loss_compiled=loss_compiled,
+        float8_weights_for_backward=float8.weights_for_backward,
     )
 
 

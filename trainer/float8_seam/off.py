@@ -19,7 +19,7 @@ class NoFloat8Training(Float8Rules):
         self.recipe_name = None
 
     @classmethod
-    def memory(cls, f8: Float8TrainingConfig) -> Float8Memory:
+    def memory(cls, f8: Float8TrainingConfig, single_rank_fast_path: bool = False) -> Float8Memory:
         return Float8Memory()
 
     def run_name_precision(self, param_dtype: str) -> str:

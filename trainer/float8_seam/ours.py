@@ -113,9 +113,12 @@ class OursFloat8Training(Float8Rules):
         self._health: Float8HealthMonitor | None = None
 
     @classmethod
-    def memory(cls, f8: Float8TrainingConfig) -> Float8Memory:
-        # float8.cast_weights_once keeps each float8 weight shard from one step to the next.
-        return Float8Memory(linears=True, kept_shards=gathers_float8_weights(f8) and f8.cast_weights_once)
+    def memory(cls, f8: Float8TrainingConfig, single_rank_fast_path: bool = False) -> Float8Memory:
+        # float8.cast_weights_once keeps each float8 weight shard from one step to the next; weights read as
+        # stored keep their transposed float8 bytes from forward to backward.
+        config = float8_config(f8, single_rank_fast_path)
+        return Float8Memory(linears=True, kept_shards=gathers_float8_weights(f8) and f8.cast_weights_once,
+                            weights_for_backward=config.fsdp_unshard_as_stored)
 
     def convert(self, model: nn.Module, time_linears: bool = True) -> Float8ConversionReport:
         """Swap eligible linears for float8 ones, on the meta model before any parallelism.

@@ -80,7 +80,7 @@ class Float8Rules:
         self.filter_note: str | None = None
 
     @classmethod
-    def memory(cls, f8: Float8TrainingConfig) -> Float8Memory:
+    def memory(cls, f8: Float8TrainingConfig, single_rank_fast_path: bool = False) -> Float8Memory:
         """What the memory estimate counts of float8 (before any seam is built: it runs first)."""
         return Float8Memory(linears=True)
 

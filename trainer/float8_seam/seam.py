@@ -56,9 +56,9 @@ def seam_class(f8: Float8TrainingConfig) -> type[Float8Rules]:
     return IMPLEMENTATIONS[f8.impl] if f8.enabled else NoFloat8Training
 
 
-def float8_memory(f8: Float8TrainingConfig) -> Float8Memory:
+def float8_memory(f8: Float8TrainingConfig, single_rank_fast_path: bool = False) -> Float8Memory:
     """What the memory estimate counts of float8 for `[float8]`, before any seam is built."""
-    return seam_class(f8).memory(f8)
+    return seam_class(f8).memory(f8, single_rank_fast_path)
 
 
 def build_seam(f8: Float8TrainingConfig, run: Float8RunContext, timer: Timer | None = None) -> Float8Seam:

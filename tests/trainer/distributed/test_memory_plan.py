@@ -69,6 +69,12 @@ def test_estimate_scales_with_the_layout_and_the_cpu_attention():
     assert packed.activations - one.activations == 2 * 4096**2  # the bool document mask
     full = estimate(args, batch_size=2, seq_len=4096, ac_mode="full", float8=True)
     assert full.activations < one.activations / 3
+    # Rowwise weights read as stored: each layer's transposed float8 weight until its backward, 1 byte a parameter.
+    _, block = n_params(args)
+    kept = estimate(args, batch_size=2, seq_len=4096, ac_mode="none", float8=True, float8_weights_for_backward=True)
+    assert kept.activations - one.activations == 32 * block
+    kept_full = estimate(args, batch_size=2, seq_len=4096, ac_mode="full", float8=True, float8_weights_for_backward=True)
+    assert kept_full.activations - full.activations == block
 
 
 def test_refusal_is_one_line_with_the_numbers():

@@ -189,3 +189,13 @@ def test_the_seam_says_the_precision_of_the_run(monkeypatch, args, run_name, pla
 )
 def test_the_memory_estimate_asks_the_seam_what_float8_costs(args, memory):
     assert float8_memory(_cfg(**args).float8) == memory
+
+
+@pytest.mark.parametrize(("scaling", "impl", "kept"), [
+    ("rowwise", "ours", True), ("rowwise_gw_hp", "ours", True), ("tensorwise", "ours", False), ("rowwise", "torchao", False),
+])
+def test_weights_read_as_stored_keep_their_transposed_bytes_for_the_backward(scaling, impl, kept):
+    # On the one-GPU fast path ours casts rowwise weights for both GEMMs in the forward (float8/linear.py).
+    f8 = _cfg(scaling=scaling, impl=impl).float8
+    assert float8_memory(f8, single_rank_fast_path=True).weights_for_backward is kept
+    assert not float8_memory(f8).weights_for_backward
