@@ -10,7 +10,9 @@ alone and are built once. Same update, same state (`step` a device tensor, `exp_
 trainer's clip and non-finite guard (trainer/step.py): `grad_scale` divides the gradients, a
 non-zero `found_inf` leaves weights, moments and step counts unchanged, both read on the
 device, so nothing waits on the host. Results match torch's AdamW to fp32 rounding (the bias
-corrections are computed in the kernel as exp2(step log2(beta))).
+corrections are computed in the kernel as exp2(step log2(beta))). Each weight's amax comes from the
+same pass; weights that ask for the amaxes of their rows and columns (float8's rowwise weights read
+as stored at one rank) are updated by a second launch, `adamw_rows_columns_kernel`, in 2-D tiles.
 
 Imported only where Triton is (torch's CUDA builds bring it); runs on CUDA tensors, and on CPU
 tensors under TRITON_INTERPRET=1 (tests).
@@ -142,7 +144,7 @@ def adamw_rows_columns_kernel(
     first_row = (b // strips) * (TR * TILES_DOWN)
     p_ptr, g_ptr, m_ptr, v_ptr, step, keep = _parameter(addr_ptr, i, n_params, found_inf_ptr, P_DTYPE, G_DTYPE, S_DTYPE,
                                                         HAS_INF)
-    row_amax_ptr = amax_ptr + tl.load(amax_at_ptr + i)
+    param_amax_ptr = amax_ptr + tl.load(amax_at_ptr + i)
     # Column maxes kept per lane across the tiles, reduced across warps once at the end.
     col_max = tl.zeros([TR, TC], dtype=tl.int32)
     if (first_row + TR * TILES_DOWN <= rows) & ((b % strips + 1) * TC <= cols):
@@ -150,7 +152,7 @@ def adamw_rows_columns_kernel(
             rm = first_row + t * TR + tl.arange(0, TR)
             bits = _update(p_ptr, g_ptr, m_ptr, v_ptr, rm.to(tl.int64)[:, None] * cols + rk[None, :], None, step,
                            grad_scale_ptr, keep, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, HAS_SCALE, False)
-            tl.atomic_max(row_amax_ptr + rm, tl.max(bits, axis=1))
+            tl.atomic_max(param_amax_ptr + rm, tl.max(bits, axis=1))
             col_max = tl.maximum(col_max, bits)
     else:
         for t in range(TILES_DOWN):
@@ -158,9 +160,9 @@ def adamw_rows_columns_kernel(
             bits = _update(p_ptr, g_ptr, m_ptr, v_ptr, rm.to(tl.int64)[:, None] * cols + rk[None, :],
                            (rm[:, None] < rows) & (rk[None, :] < cols), step, grad_scale_ptr, keep, lr, beta1, beta2,
                            log2_beta1, log2_beta2, eps, weight_decay, HAS_SCALE, True)
-            tl.atomic_max(row_amax_ptr + rm, tl.max(bits, axis=1), mask=rm < rows)
+            tl.atomic_max(param_amax_ptr + rm, tl.max(bits, axis=1), mask=rm < rows)
             col_max = tl.maximum(col_max, bits)
-    tl.atomic_max(row_amax_ptr + rows + rk, tl.max(col_max, axis=0), mask=rk < cols)
+    tl.atomic_max(param_amax_ptr + rows + rk, tl.max(col_max, axis=0), mask=rk < cols)
 
 
 def _memory(t: torch.Tensor) -> torch.Tensor:
