@@ -263,9 +263,6 @@ class TritonAdamW(torch.optim.AdamW):
             if tensors[0].numel():
                 key = (_wants_rows_and_columns(p, tensors[0]), *(t.dtype for t in tensors[:3]))
                 launches.setdefault(key, []).append(i)
-        flat = [i for (rows_columns, *_), members in launches.items() if not rows_columns for i in members]
-        flat_bits = torch.zeros(len(flat), dtype=torch.int32, device=device)
-        self._amaxes.update(zip((params[i] for i in flat), flat_bits.view(torch.float32).unbind()))
         # An empty shard's amax: 0.
         self._amaxes.update((p, torch.zeros((), device=device)) for p, m in zip(params, memories) if not m[0].numel())
         for (rows_columns, *dtypes), members in launches.items():
@@ -280,19 +277,18 @@ class TritonAdamW(torch.optim.AdamW):
             constants = {"P_DTYPE": _TRITON_DTYPES[dtypes[0]], "G_DTYPE": _TRITON_DTYPES[dtypes[1]],
                          "S_DTYPE": _TRITON_DTYPES[dtypes[2]], "HAS_SCALE": grad_scale is not None,
                          "HAS_INF": found_inf is not None, "num_warps": NUM_WARPS}
+            # Each parameter's amax (rows', then columns' for the 2-D kernel), as int32 bits max-ed in.
+            lengths = [sum(shape) for shape in shapes] if rows_columns else [1] * len(members)
+            bits = torch.zeros(sum(lengths), dtype=torch.int32, device=device)
             if rows_columns:
-                lengths = [sum(shape) for shape in shapes]
-                bits = torch.zeros(sum(lengths), dtype=torch.int32, device=device)
                 adamw_rows_columns_kernel[(block_param.numel(),)](
                     table, block_param, first_block, sizes, amax_at, *args, bits, *hyper, TR=TILE_ROWS, TC=TILE_COLS,
                     TILES_DOWN=TILES_DOWN, **constants)
-                self._amaxes.update(zip((params[i] for i in members), bits.view(torch.float32).split(lengths)))
             else:
-                bits = flat_bits if len(members) == len(flat) else torch.zeros(len(members), dtype=torch.int32, device=device)
                 adamw_kernel[(block_param.numel(),)](table, block_param, first_block, sizes, *args, bits, *hyper,
                                                      BLOCK=BLOCK, **constants)
-                if bits is not flat_bits:
-                    flat_bits[[flat.index(i) for i in members]] = bits
+            amaxes = bits.view(torch.float32).split(lengths) if rows_columns else bits.view(torch.float32).unbind()
+            self._amaxes.update(zip((params[i] for i in members), amaxes))
 
     def _tables_for(self, rows_columns: bool, shapes: tuple[tuple[int, ...], ...], device: torch.device
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
