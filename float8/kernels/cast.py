@@ -261,14 +261,22 @@ def _rows_parts(out: list[torch.Tensor], m: int, k: int, rowmajor: bool, transpo
     return [data, data_t, *_aligned_views(out[-1], [m, m, k, k])]
 
 
+def _amax_bits(x: torch.Tensor, rows: bool, cols: bool) -> torch.Tensor:
+    """(M + K,) int32: the |value| bits' max of each row of a non-empty (M, K) `x` (if `rows`), then of each
+    column (if `cols`); zeros for those not asked. One buffer, indexed in the kernels: views cost host time."""
+    m, k = x.shape
+    amax = torch.zeros(m + k, dtype=torch.int32, device=x.device)
+    _amax_2d_kernel[_grid(m, k)](x, amax, m, k, ROWS=rows, COLS=cols, BM=BLOCK_M, BK=BLOCK_K)
+    return amax
+
+
 def amax_rows_and_columns(x: torch.Tensor) -> torch.Tensor:
     """(M + K,) fp32: the max |value| of each row of a 2-D (M, K) `x`, then of each column, from one read:
     what `cast_rowwise_layouts` takes as `amax`."""
     m, k = _check_2d(x)
-    amax = torch.zeros(m + k, dtype=torch.int32, device=x.device)
-    if x.numel():
-        _amax_2d_kernel[_grid(m, k)](x, amax, m, k, ROWS=True, COLS=True, BM=BLOCK_M, BK=BLOCK_K)
-    return amax.view(torch.float32)
+    if not x.numel():
+        return torch.zeros(m + k, dtype=torch.float32, device=x.device)
+    return _amax_bits(x, rows=True, cols=True).view(torch.float32)
 
 
 def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor: bool, transposed: bool,
@@ -277,14 +285,8 @@ def _cast_rows(x: torch.Tensor, float8_dtype: torch.dtype, pow2: bool, rowmajor:
     m, k = x.shape
     if not x.numel():
         return out
-    grid = _grid(m, k)
-    if amax is None:
-        # One buffer of amaxes and one of scales, indexed in the kernels: views cost host time a call.
-        amax = torch.zeros(m + k, dtype=torch.int32, device=x.device)
-        _amax_2d_kernel[grid](x, amax, m, k, ROWS=rowmajor, COLS=transposed, BM=BLOCK_M, BK=BLOCK_K)
-    else:
-        amax = amax.view(torch.int32)
-    _cast_kernel[grid](
+    amax = _amax_bits(x, rows=rowmajor, cols=transposed) if amax is None else amax.view(torch.int32)
+    _cast_kernel[_grid(m, k)](
         x, out[0] if rowmajor else None, out[int(rowmajor)] if transposed else None, amax, out[-1], m, k,
         ROWWISE=True, SCALE_GIVEN=False, WRITE=rowmajor, WRITE_T=transposed,
         **_constants(x, float8_dtype, pow2, bf16_first),
@@ -309,8 +311,9 @@ def cast_rowwise_layouts(
     """x cast with one scale per row (amax over K) row-major and/or one per column (amax over M)
     transposed: (data, data_t, row scales (M, 1), their inverses, column scales (K, 1), their
     inverses), None for a layout not asked for; with `bf16_first`, the cast of `x.to(torch.bfloat16)`,
-    read from `x` itself (no bf16 copy). Inside torch.compile, one op. `amax`: `x`'s amaxes already known, as `amax_rows_and_columns` gives them (of `x` as stored, rounded
-    here with `bf16_first`): one read of `x` instead of two."""
+    read from `x` itself (no bf16 copy). Inside torch.compile, one op. `amax`: `x`'s amaxes already
+    known, as `amax_rows_and_columns` gives them (of `x` as stored, rounded here with `bf16_first`): one
+    read of `x` instead of two."""
     m, k = _check_2d(x)
     # Outside a compile the kernels are called straight, without the op's dispatch (~7 us of host time a call).
     out = (_cast_rows_op if torch.compiler.is_compiling() else _cast_rows)(x, float8_dtype, pow2, rowmajor, transposed,
