@@ -20,6 +20,14 @@ _GATHERED_VIEWS = {
 }
 
 
+def _wrapper_of(cls: type, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A `cls` wrapper with `data`'s shape, strides and device, claiming `dtype`, without autograd."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
+        device=data.device, requires_grad=False,
+    )
+
+
 class Float8GatheredWeight(torch.Tensor):
     """An all-gathered float8 weight: e4m3 data, its fp32 scale (per `block` when given), and the
     dtype it stands for.
@@ -34,15 +42,7 @@ class Float8GatheredWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None):
-        return torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.size(),
-            strides=data.stride(),
-            storage_offset=data.storage_offset(),
-            dtype=dtype,
-            device=data.device,
-            requires_grad=False,
-        )
+        return _wrapper_of(cls, data, dtype)
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int] | None = None):
         self._data = data
@@ -91,10 +91,7 @@ class StoredWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
-            device=data.device, requires_grad=False,
-        )
+        return _wrapper_of(cls, data, dtype)
 
     def __init__(self, data: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor):
         self._data = data
