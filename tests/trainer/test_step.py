@@ -120,6 +120,29 @@ def test_fused_clip_matches_clip_grad_norm(device):
 
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["fused", "triton"])
+def test_a_fused_step_is_queued_without_waiting_for_the_device(impl):
+    # A host wait before finish_step (a blocking copy of the batch or its token count) leaves the
+    # device idle while the host queues the next forward; sync debug mode makes any such wait raise.
+    parts = _parts("cuda", "fused", max_norm=1.0)
+    if impl == "triton":
+        from trainer.adamw_triton import TritonAdamW
+
+        parts = dataclasses.replace(parts, optimizer=TritonAdamW(parts.model.parameters(), 1e-2, (0.9, 0.95), 1e-8))
+    _step(parts, poison=False)  # the optimizer's state and tables are built at its first step
+
+    def loss_sum(mb):
+        return (parts.model(mb["x"]) ** 2).sum() * mb["poison"]
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = train_step(loss_sum, _batch(poison=False), parts, StepTimer(parts.device))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert finish_step(launched, parts)[2]
+
+
 class TinyLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
