@@ -18,7 +18,7 @@ from trainer.checkpoint.initial_weights import check_initial_weights_fit
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.config import Config, to_toml
 from trainer.data.exchange import LocalExchange, world_exchange
-from trainer.data.run_loaders import data_summary, run_loader
+from trainer.data.run_loaders import data_summary, run_loader, training_data_workers
 from trainer.data.run_loaders import (
     sft_options as sft_options,  # scripts and tests import it from here
 )
@@ -112,11 +112,11 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         # One gloo group for the training and held-out loaders and the stop request: they use it in
         # turn, on this thread, in the same order on every rank, and never wait for the device there.
-        # A mirror world has no other processes: this one reads every row itself.
+        # A mirror world has no other processes: this one reads every row itself, with every rank's workers.
         self.host_exchange = LocalExchange() if cfg.parallelism.simulate_world_size else world_exchange()
         loader = functools.partial(run_loader, cfg, tokenizer=plan.tokenizer, dp_rank=self.dp_rank, dp=plan.facts.dp,
                                    exchange=self.host_exchange, verbose=self.is_main)
-        self.dataloader = loader("data", cfg.data.num_workers)
+        self.dataloader = loader("data", training_data_workers(cfg))
         self.validator = None
         if cfg.validation.enable:
             # No workers: the loader restarts for every evaluation and reads only `steps` batches.
@@ -146,7 +146,8 @@ class Trainer:
             info(line)
         if n := self.cfg.parallelism.simulate_world_size:
             warn(f"parallelism.simulate_world_size = {n}: this process is rank 0 of {n} mirrored ranks, whose collectives "
-                 "move no data; its step is one GPU's share of the work, links aside, and its losses are not a real run's")
+                 "move no data; its step is one GPU's share of the work, links aside, and its losses are not a real run's; it "
+                 f"reads every rank's rows itself, with {training_data_workers(self.cfg)} data workers")
 
     # -- the loop ------------------------------------------------------------
 

@@ -161,7 +161,7 @@ class ParallelismConfig:
                                              "(torch versions it was tested with); chunk_cat = FSDP2's own. The same bytes. docs/parallelism.md, 'Gradient packing'.")
     simulate_world_size: int = _opt(0, "Benchmarks: run this one process as rank 0 of N ranks whose collectives move no data (each rank "
                                     "mirrors this one): a step does one GPU's share of an N-GPU run, links aside. Not under torchrun; "
-                                    "losses are not a real run's; no checkpoints. 0 = off. docs/parallelism.md, 'N ranks on one GPU'.")
+                                    "losses are not a real run's; no checkpoints; it reads every rank's rows, with data.num_workers workers for each. 0 = off. docs/parallelism.md, 'N ranks on one GPU'.")
 
 
 @_section

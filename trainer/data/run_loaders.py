@@ -29,6 +29,12 @@ def run_loader(cfg: Config, section: str, num_workers: int, tokenizer: Tokenizer
     )
 
 
+def training_data_workers(cfg: Config) -> int:
+    """data.num_workers, for each rank of a mirror world (parallelism.simulate_world_size): its one process
+    reads every rank's rows, and with one rank's workers its training thread would wait for N ranks' tokenizing."""
+    return cfg.data.num_workers * max(1, cfg.parallelism.simulate_world_size)
+
+
 def data_summary(cfg: Config, loader: StatefulDataLoader, held_out: StatefulDataLoader | None) -> list[str]:
     """Startup lines about the sources of a mixture and the epochs their weights imply; none for a single path."""
     steps = cfg.training.steps

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tests.helpers import read_metrics, train_in_process
 from trainer.config import build_config
 from trainer.config.checks import validate
+from trainer.data.run_loaders import training_data_workers
 from trainer.distributed import mirror_world
 from trainer.distributed.mirror_world import MirrorProcessGroup
 from trainer.dry_run import comm_rows
@@ -53,6 +54,12 @@ def test_collectives_are_those_of_identical_ranks() -> None:
     group._reduce_scatter_base(summed, grads, _options(dist.ReduceOp.SUM, dist.ReduceScatterOptions)).wait()
     group._reduce_scatter_base(mean, grads, _options(dist.ReduceOp.AVG, dist.ReduceScatterOptions)).wait()
     assert torch.equal(summed, torch.tensor([0.0, 4.0])) and torch.equal(mean, torch.tensor([0.0, 1.0]))
+
+
+def test_a_mirror_world_reads_with_the_data_workers_of_every_rank() -> None:
+    # Its one process tokenizes the rows of all 4 ranks: with one rank's workers, 4 ranks' work each step.
+    assert training_data_workers(build_config(["--parallelism.simulate_world_size", "4", "--data.num_workers", "2"])) == 8
+    assert training_data_workers(build_config(["--data.num_workers", "2"])) == 2
 
 
 @pytest.mark.version_specific
