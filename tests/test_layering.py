@@ -24,7 +24,7 @@ RANKS = {
     "float8": 0,
     "models": 1,
     "trainer.launch": 2,
-    "trainer.errors": 3, "trainer.log": 3, "trainer.records": 3, "trainer.threads": 3,
+    "trainer.errors": 3, "trainer.log": 3, "trainer.records": 3, "trainer.threads": 3, "trainer.host_copies": 3,
     # The float8 seam's config rules: read by trainer.config's checks, importing nothing of the project.
     "trainer.float8_seam.options": 3,
     "trainer.config": 4, "trainer.precision": 4, "trainer.adamw_triton": 4,

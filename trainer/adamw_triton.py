@@ -29,6 +29,8 @@ import triton.language as tl
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from trainer.host_copies import queued_to
+
 # Elements and warps per program: within 1 % of the fastest of 1,024-8,192 x 4-16 on one H100, and the
 # size least sensitive to its warp count (scripts/bench_float8_casts.py --only adamw, docs/benchmarks.md).
 BLOCK = 2048
@@ -268,8 +270,8 @@ class TritonAdamW(torch.optim.AdamW):
         for (rows_columns, *dtypes), members in launches.items():
             shapes = tuple(tuple(memories[i][0].shape) for i in members)
             addresses = [memories[i][role].data_ptr() for role in range(_ROLES) for i in members]
-            # Pinned and asynchronous: the copy queues behind the backward instead of waiting for it.
-            table = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+            # Queued behind the backward instead of waiting for it.
+            table = queued_to(device, torch.tensor(addresses, dtype=torch.int64))
             block_param, first_block, sizes, amax_at = self._tables_for(rows_columns, shapes, device)
             args = (grad_scale, found_inf)
             hyper = (len(members), group["lr"], *group["betas"], *map(math.log2, group["betas"]), group["eps"],
