@@ -74,10 +74,7 @@ def train_step(
     # Counted on the host copies: no device sync.
     n_local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
     micro_batches = [{k: queued_to(device, v) for k, v in mb.items()} for mb in micro_batches]
-    n_tokens = queued_to(device, torch.tensor(n_local, dtype=torch.float64))
-    if parts.dp > 1:
-        dist.all_reduce(n_tokens, group=parts.dp_group)
-    n_tokens = n_tokens.clamp(min=1.0)
+    n_tokens = _summed_over_dp(queued_to(device, torch.tensor(n_local, dtype=torch.float64)), parts).clamp(min=1.0)
     # FSDP averages gradients over dp ranks; this makes the result a global token mean.
     loss_scale = parts.dp / n_tokens
     loss_total = torch.zeros((), device=device, dtype=torch.float64)
@@ -88,8 +85,7 @@ def train_step(
             summed = loss_sum(mb)
             (summed * loss_scale).backward()
         loss_total += summed.detach().double()
-    if parts.dp > 1:
-        dist.all_reduce(loss_total, group=parts.dp_group)
+    _summed_over_dp(loss_total, parts)
     t_backward = timer.mark()
     grad_norm = _global_grad_norm(model)
     values = torch.stack([loss_total / n_tokens, grad_norm.double()])
@@ -110,6 +106,13 @@ def train_step(
     weight_amaxes = getattr(parts.optimizer, "weight_amaxes", None)
     parts.after_optimizer_step(model, weight_amaxes() if weight_amaxes is not None else None)
     return launched
+
+
+def _summed_over_dp(t: torch.Tensor, parts: StepParts) -> torch.Tensor:
+    """`t` summed in place over the data-parallel ranks (at one, no collective to launch)."""
+    if parts.dp > 1:
+        dist.all_reduce(t, group=parts.dp_group)
+    return t
 
 
 def finish_step(launched: LaunchedStep, parts: StepParts) -> tuple[float, float, bool]:
