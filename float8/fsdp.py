@@ -169,6 +169,10 @@ class Float8TrainingWeight(torch.Tensor):
         unsharded as stored, whose two casts (per row, per column) read it once each with them."""
         return self._as_stored
 
+    def read_rows_and_columns_amax(self) -> torch.Tensor:
+        """The stored shard's `amax_rows_and_columns`, from one read of it."""
+        return amax_rows_and_columns(self._tensor, eager_backend(self.device.type, "auto"))
+
     @property
     def fsdp_all_gather_input_is_kept(self) -> bool:
         """Whether `fsdp_pre_all_gather` hands on the kept float8 shard, or the shard itself (`as_stored`):
@@ -189,9 +193,7 @@ class Float8TrainingWeight(torch.Tensor):
             if mesh.size() > 1:
                 raise ValueError(f"float8: weights unsharded as stored (fsdp_unshard_as_stored) need FSDP over one rank, "
                                  f"got {mesh.size()}: they would all-gather fp32")
-            amax = self._amax if self._amax is not None else \
-                amax_rows_and_columns(self._tensor, eager_backend(self.device.type, "auto"))
-            return (self._tensor,), (amax,)
+            return (self._tensor,), (self._amax if self._amax is not None else self.read_rows_and_columns_amax(),)
         scale, data = self._precomputed_scale, self._float8_shard
         if self._cast is not None and data is None:
             sharding = self.block_sharding(mesh.size(), outer_size if mesh.ndim == 1 else None)
@@ -278,7 +280,7 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, cast_weights: bool = Fal
         if local._as_stored:
             given = (amaxes or {}).get(w)
             local._amax = given if given is not None and given.shape == (sum(local.shape),) else \
-                amax_rows_and_columns(local._tensor, eager_backend(local.device.type, "auto"))
+                local.read_rows_and_columns_amax()
     weights = [w for w in weights if not w._local_tensor._as_stored]
     if not weights:
         return
