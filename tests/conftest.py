@@ -51,5 +51,14 @@ def _single_thread_env(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """For a test that compiles float8 code objects with fullgraph=True: earlier tests in the same process
+    compiled them too, and past dynamo's recompile limit fullgraph fails (the suite in one process, -n 0)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
 # The module-scoped `losses` fixture of tests/trainer/distributed/test_parallel*.py (each module makes its own runs).
 from tests.layout_runs import losses  # noqa: E402, F401

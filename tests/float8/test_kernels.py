@@ -205,7 +205,7 @@ def _graphs_compiled(graphs: list[torch.fx.GraphModule]):
 
 
 @pytest.mark.parametrize(("scaling", "ops"), [("rowwise", [1, 2]), ("rowwise_gw_hp", [0, 1])])
-def test_compiled_rowwise_linear_calls_the_kernels_op(triton_casts, scaling, ops):
+def test_compiled_rowwise_linear_calls_the_kernels_op(triton_casts, scaling, ops, fresh_dynamo):
     """Compiled, the per-row casts that write a transposed layout are the kernels' op (forward: x in
     both layouts; backward: g in both, w transposed), the rest traced: out, grad_x and grad_w bitwise
     those of the linear compiled with every cast traced (inductor's code on a GPU:

@@ -284,7 +284,7 @@ def test_bad_config_raises(kwargs, field):
 @pytest.mark.slow
 @pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_compiled_matches_eager_fullgraph(scaling):
+def test_compiled_matches_eager_fullgraph(scaling, fresh_dynamo):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.SiLU(), nn.Linear(32, 64, bias=False))
     convert_to_float8_training(model, config=Float8Config(scaling=scaling, emulate=cpu_float8_emulated(scaling)))
