@@ -53,8 +53,9 @@ def _single_thread_env(monkeypatch):
 
 @pytest.fixture
 def fresh_dynamo():
-    """For a test that compiles float8 code objects with fullgraph=True: earlier tests in the same process
-    compiled them too, and past dynamo's recompile limit fullgraph fails (the suite in one process, -n 0)."""
+    """Dynamo's code caches and counters emptied before a test that compiles: earlier tests in the same process
+    (the suite in one process, -n 0) compiled the same float8 code objects, and past dynamo's recompile limit
+    fullgraph=True fails; a test that counts the graphs it compiled starts from none."""
     import torch._dynamo
 
     torch._dynamo.reset()

@@ -310,12 +310,11 @@ def test_compiled_matches_eager_fullgraph(scaling, fresh_dynamo):
 @pytest.mark.slow
 @pytest.mark.version_specific
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_self_compiled_casts_in_eager_match(scaling):
+def test_self_compiled_casts_in_eager_match(scaling, fresh_dynamo):
     # "compiled" runs the eager casts as torch.compile'd kernels, on CPU too.
     _, plain = pair(in_f=64, out_f=32, scaling=scaling, eager_casts="plain")
     _, fused = pair(in_f=64, out_f=32, scaling=scaling, eager_casts="compiled")
     x, g = torch.randn(48, 64), torch.randn(48, 32)
-    torch._dynamo.reset()
     limit = torch._dynamo.config.recompile_limit
     for a, b in zip(linear_step(fused, x, g), linear_step(plain, x, g)):
         torch.testing.assert_close(a, b)
