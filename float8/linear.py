@@ -18,6 +18,7 @@ from float8.operands import (
     cast_t_with_scale,
     eager_backend,
     graph_backend,
+    one_buffer,
     operand,
     operand_t,
     operands_both,
@@ -143,7 +144,10 @@ class _Float8Matmul(torch.autograd.Function):
             g_gw = transposed(g_gw, backend)
         x_gw = Operand(x_gw_data, x_gw_scale, x_gw_inv)
         if ctx.x_transposed_later:
+            # One copy for every GEMM reading it (wq, wk and wv read one norm's output); forcing the forward's
+            # row-major copy too would stop the partitioner recomputing it, and keep three transposed copies.
             x_gw = transposed(x_gw, backend)
+            x_gw = x_gw._replace(data=one_buffer(x_gw.data))
         grad_w = _gemm(recipe.grad_weight, *_pad_summed_dim(g_gw, x_gw), ctx.w_dtype, emulate)
         probe_grad = torch.cat([health[0], _stats(g, g_op, recipe.grad_input.lhs)[None]]) if ctx.probed else None
         return grad_x.reshape(ctx.x_shape), grad_w, None, None, None, probe_grad

@@ -25,6 +25,12 @@ from typing import NamedTuple
 
 import torch
 
+try:  # registers torch.ops.prims.inductor_force_stride_order (a private op; missing, `one_buffer` does nothing)
+    import torch._inductor.inductor_prims
+    _FORCE_STRIDES = torch.ops.prims.inductor_force_stride_order
+except (ImportError, AttributeError):
+    _FORCE_STRIDES = None
+
 from float8.blocks import cast_blocks_with_scale, cast_blockwise, cast_blockwise_t, kernel_block
 from float8.recipe import Cast
 from float8.scaling import (
@@ -245,6 +251,20 @@ def operands_both(t: torch.Tensor, row_cast: Cast, t_cast: Cast, backend: str) -
     if shared(t_cast, row_cast):
         return rows, rows, True
     return rows, operand_t(t, t_cast, backend), False
+
+
+def one_buffer(t: torch.Tensor) -> torch.Tensor:
+    """`t`, which inductor writes to one buffer for all the GEMMs that read it.
+
+    Inductor inlines a traced cast into each extern kernel reading it (its own copy per GEMM) unless the
+    cast reads more than `realize_reads_threshold` tensors: the transposed float8 copy of the attention
+    norm's output that wq, wk and wv's weight gradients read was written three times, by a backward kernel
+    whose column-major stores do not coalesce. Forcing its strides makes inductor realize it once; the bytes
+    are a copy's, so no value changes. Outside torch.compile, `t`.
+    """
+    if _FORCE_STRIDES is None or not torch.compiler.is_compiling():
+        return t
+    return _FORCE_STRIDES(t, t.stride())
 
 
 def transposed(op: Operand, backend: str) -> Operand:
