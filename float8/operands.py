@@ -25,12 +25,6 @@ from typing import NamedTuple
 
 import torch
 
-try:  # registers torch.ops.prims.inductor_force_stride_order (a private op; missing, `one_buffer` does nothing)
-    import torch._inductor.inductor_prims
-    _FORCE_STRIDES = torch.ops.prims.inductor_force_stride_order
-except (ImportError, AttributeError):
-    _FORCE_STRIDES = None
-
 from float8.blocks import cast_blocks_with_scale, cast_blockwise, cast_blockwise_t, kernel_block
 from float8.recipe import Cast
 from float8.scaling import (
@@ -260,11 +254,22 @@ def one_buffer(t: torch.Tensor) -> torch.Tensor:
     cast reads more than `realize_reads_threshold` tensors: the transposed float8 copy of the attention
     norm's output that wq, wk and wv's weight gradients read was written three times, by a backward kernel
     whose column-major stores do not coalesce. Forcing its strides makes inductor realize it once; the bytes
-    are a copy's, so no value changes. Outside torch.compile, `t`.
+    are a copy's, so no value changes. Outside torch.compile, or where torch lacks the op, `t`.
     """
-    if _FORCE_STRIDES is None or not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() or not _stride_forcing_registered():
         return t
-    return _FORCE_STRIDES(t, t.stride())
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
+
+
+@torch.compiler.assume_constant_result
+def _stride_forcing_registered() -> bool:
+    """Whether torch.ops.prims.inductor_force_stride_order exists: a private op, registered by importing its module
+    here, in the trace that needs it (run, not traced), rather than at `import float8` (about a second)."""
+    try:
+        importlib.import_module("torch._inductor.inductor_prims")
+    except ImportError:
+        return False
+    return hasattr(torch.ops.prims, "inductor_force_stride_order")
 
 
 def transposed(op: Operand, backend: str) -> Operand:

@@ -38,7 +38,7 @@ class NormThenThree(nn.Module):
 def _compiled_grads(force: bool, monkeypatch) -> tuple[int, list[torch.Tensor]]:
     """(transposed float8 (T, D) buffers the compiled backward writes, gradients of x and the parameters)."""
     if not force:
-        monkeypatch.setattr(float8.operands, "_FORCE_STRIDES", None)
+        monkeypatch.setattr(float8.operands, "_stride_forcing_registered", lambda: False)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = NormThenThree().to(torch.bfloat16)
