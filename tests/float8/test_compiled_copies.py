@@ -52,7 +52,7 @@ def _compiled_grads(force: bool, monkeypatch) -> tuple[int, list[torch.Tensor]]:
     return len(transposed), [x.grad, *(p.grad for p in model.parameters())]
 
 
-def test_linears_reading_one_input_share_its_transposed_float8_copy(monkeypatch, fresh_dynamo):
+def test_linears_reading_one_input_share_its_transposed_float8_copy(monkeypatch):
     monkeypatch.setattr(float8.gemm, "scaled_mm_cpu", lambda a, b, a_inv, b_inv, dtype:
                         torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=dtype))
     copies, grads = _compiled_grads(True, monkeypatch)
